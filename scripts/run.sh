@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: creates .venv if needed, installs torch first (so pip never
+# resolves an open-ended torch requirement by itself), then aiocollect, then runs what was asked.
+#   bash scripts/run.sh demo   [args]   collect from CartPole-v1 with worker processes
+#   bash scripts/run.sh test   [args]   the test suite (what CI runs)
+#   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=${AIOCOLLECT_TORCH_VERSION:-2.13.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.aiocollect-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
+  echo "[setup] installing torch==$TORCH_VERSION first"
+  "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+  echo "[setup] installing aiocollect with its test extras"
+  "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]"
+  touch "$stamp"
+fi
+
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  demo)  exec "$VENV/bin/python" examples/demo.py "$@" ;;
+  test)  exec "$VENV/bin/python" -m pytest "$@" ;;
+  bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|bench} [args]" >&2; exit 2 ;;
+esac
