@@ -1,0 +1,59 @@
+"""aiocollect: asyncio-first reinforcement-learning experience collection.
+
+Env workers run in a pool of processes, the policy runs batched, and batches (TensorDicts in
+TorchRL's layout) leave through ``async for batch in collector`` and ``await collector.collect()``.
+
+The public names are loaded lazily: worker processes import this package too, and must not pay
+for torch or tensordict unless their policy needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Collector": "._collector",
+    "CollectorConfig": "._config",
+    "State": "._collector",
+    "AiocollectError": "._errors",
+    "ConfigError": "._errors",
+    "SpecError": "._errors",
+    "WorkerError": "._errors",
+    "BrokenWorkerError": "._errors",
+    "CollectorClosedError": "._errors",
+    "EndOfCollection": "._errors",
+    "split_trajectories": "._split",
+    "shutdown_launcher": "._launcher",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._collector import Collector as Collector
+    from ._collector import State as State
+    from ._config import CollectorConfig as CollectorConfig
+    from ._errors import AiocollectError as AiocollectError
+    from ._errors import BrokenWorkerError as BrokenWorkerError
+    from ._errors import CollectorClosedError as CollectorClosedError
+    from ._errors import ConfigError as ConfigError
+    from ._errors import EndOfCollection as EndOfCollection
+    from ._errors import SpecError as SpecError
+    from ._errors import WorkerError as WorkerError
+    from ._launcher import shutdown_launcher as shutdown_launcher
+    from ._split import split_trajectories as split_trajectories
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiocollect' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,590 @@
+"""The collector: starts workers, turns their slots into TensorDict batches and delivers them
+through a bounded stream to ``async for`` / :meth:`Collector.collect`."""
+
+from __future__ import annotations
+
+import enum
+
+import time
+import warnings
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import anyio
+import torch
+from tensordict import TensorDict
+
+from ._config import CollectorConfig
+from ._errors import AiocollectError, CollectorClosedError, EndOfCollection, SpecError
+from ._launcher import get_launcher
+from ._layout import Key, SlotLayout, frame_leaves
+from ._policy import PolicySpec, classify, describe
+from ._rollout import RolloutConfig
+from ._split import split_trajectories
+from ._systask import spawn_system_task
+from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+
+_ENDLESS = 1 << 62
+_THREAD_COPY_BYTES = 8 << 20  # larger batches are copied out of shared memory in a thread
+
+
+class State(enum.Enum):
+    """Lifecycle of a :class:`Collector`."""
+
+    CREATED = "created"
+    """Constructed; no worker yet."""
+    STARTING = "starting"
+    """Workers are being started."""
+    RUNNING = "running"
+    """Collecting."""
+    STOPPED = "stopped"
+    """Workers are gone (``total_frames`` reached, or a failure); batches already collected can
+    still be received."""
+    CLOSED = "closed"
+    """Closed: every process and shared-memory segment is released. Cannot be reopened."""
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc
+
+
+def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+    return out
+
+
+class Collector:
+    """Collects experience from gymnasium envs stepped in worker processes.
+
+    >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
+    ...                      num_workers=2, envs_per_worker=4) as collector:   # doctest: +SKIP
+    ...     async for batch in collector:
+    ...         batch.batch_size                               # torch.Size([8, 32])
+
+    Each batch is a :class:`tensordict.TensorDict` of shape ``[E, T]`` (dim names ``[None,
+    "time"]``) in TorchRL's layout: ``observation``, ``action``, ``done`` / ``terminated`` /
+    ``truncated``, ``("next", "observation")``, ``("next", "reward")``, ``("next", "done")`` ...,
+    ``("collector", "traj_ids")``, ``("collector", "policy_version")`` and whatever else the
+    policy writes. With ``split_trajs=True`` it is ``[n_traj, max_len]`` with
+    ``("collector", "mask")``.
+
+    **What is copied.** Workers write frames in place into preallocated shared-memory slots (two
+    or more per worker). When a batch is delivered its tensors are copied out of the slots once
+    (a ``torch.cat`` over workers), and the slots go back to the workers: a batch you receive is
+    yours, stays valid after the next one arrives, and may be modified in place.
+
+    **Lifecycle.** ``async with Collector(...)`` starts on entry and closes on exit; or ``await
+    start()`` / ``await aclose()`` (for notebooks: the collector's own tasks do not belong to the
+    cell that started it). ``async for`` and :meth:`collect` start it if needed. :meth:`aclose`
+    is idempotent, never leaves a process or shared-memory segment behind, and finishes (within
+    ``shutdown_timeout`` plus a moment) even when the caller is being cancelled. A closed
+    collector cannot be reopened. A plain ``with Collector(...) as c: for batch in c:`` runs the
+    same code through an anyio blocking portal (an event loop in a helper thread).
+
+    **Errors.** Bad arguments raise :class:`ConfigError` here. An exception in a worker reaches
+    the consumer as :class:`WorkerError` (original as ``__cause__``, worker traceback in the
+    message); a worker killed from outside as :class:`BrokenWorkerError`, as soon as its pipe
+    closes; data that does not match the env's spaces as :class:`SpecError`.
+
+    See :class:`CollectorConfig` for every option.
+    """
+
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        num_workers: int = 1,
+        envs_per_worker: int = 1,
+        delivery: str = "sync",
+        inference: str = "worker",
+        create_env_kwargs: dict | None = None,
+        policy_factory: Callable[[], Any] | None = None,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        exploration_type: Any = "random",
+        progress: bool = False,
+        seed: int | None = None,
+        prefetch: int = 1,
+        shutdown_timeout: float = 5.0,
+    ) -> None:
+        self.config = CollectorConfig(
+            create_env_fn=create_env_fn,
+            policy=policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            num_workers=num_workers,
+            envs_per_worker=envs_per_worker,
+            delivery=delivery,  # type: ignore[arg-type]
+            inference=inference,  # type: ignore[arg-type]
+            create_env_kwargs=create_env_kwargs,
+            policy_factory=policy_factory,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            exploration_type=exploration_type,
+            progress=progress,
+            seed=seed,
+            prefetch=prefetch,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self._state = State.CREATED
+        self._seed: int | None = seed
+        self._static_seed = False
+        self._frames = 0
+        self._batches = 0
+        self._episodes = 0
+        self._start_counters: list[int] | None = None
+        self._counters: list[int] | None = None
+        self._workers: list[WorkerHandle] = []
+        self._error: BaseException | None = None
+        self._error_seen = False
+        self._requested = 0
+        self._arrivals: deque[WorkerHandle] = deque()
+        self._bar: Any = None
+        self._task: Any = None
+        if num_workers > 0:
+            # Let the launcher import what the workers need while the caller does other things.
+            needs = PolicySpec("random" if policy is None and policy_factory is None else
+                               ("factory" if policy is None else classify(policy)[0])).needs
+            get_launcher().ensure_started(needs)
+
+    # -- public state -----------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def frames(self) -> int:
+        """Frames delivered so far (including those restored by :meth:`load_state_dict`)."""
+        return self._frames
+
+    @property
+    def batches(self) -> int:
+        """Batches delivered so far."""
+        return self._batches
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """Process ids of the running workers (empty for the local backend)."""
+        return tuple(w.pid for w in self._workers if w.pid is not None)
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the workers collect with (0: the weights given at start)."""
+        return 0
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"<Collector {c.create_env_fn!r} {self._state.value}: {c.num_workers} workers x "
+            f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {self._frames} frames>"
+        )
+
+    # -- seeding and state ------------------------------------------------------------------------
+    def _require_created(self, what: str) -> None:
+        if self._state is not State.CREATED:
+            raise AiocollectError(f"{what} must be called before the collector starts (it is {self._state.value})")
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the envs: env ``k`` (counted over all workers) is reset with ``seed + k`` (or
+        ``seed`` itself with ``static_seed=True``), and a random policy samples each env's action
+        space seeded the same way. The same seed, policy and settings give the same data whatever
+        the number of workers. Call before the collector starts.
+
+        Returns the next unused seed (``seed + number of envs``), to seed something else with.
+        """
+        self._require_created("set_seed()")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed={seed!r} must be an int")
+        self._seed, self._static_seed = seed, bool(static_seed)
+        return seed if static_seed else seed + self.config.total_envs
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters to resume from: frames and batches delivered, the next trajectory number of
+        each env (so trajectory ids stay unique after a resume), and the seeds."""
+        counters = self._counters or self._start_counters or [0] * self.config.total_envs
+        seed = self._seed
+        return {
+            "frames": self._frames,
+            "batches": self._batches,
+            "traj_counters": [k + 1 for k in counters] if self._counters else list(counters),
+            "seed": seed,
+            "static_seed": self._static_seed,
+            "next_seed": None if seed is None else (seed if self._static_seed else seed + self.config.total_envs),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume counters from :meth:`state_dict` (before start). ``total_frames`` counts the
+        restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
+        run does not replay the same episodes."""
+        self._require_created("load_state_dict()")
+        counters = list(state["traj_counters"])
+        if len(counters) != self.config.total_envs:
+            raise ValueError(
+                f"state has trajectory counters for {len(counters)} envs, this collector has "
+                f"{self.config.total_envs}; resume with the same num_workers * envs_per_worker"
+            )
+        total = self.config.total_frames
+        if total != -1 and state["frames"] > total:
+            raise ValueError(f"state has {state['frames']} frames, more than total_frames={total}")
+        self._frames, self._batches = int(state["frames"]), int(state["batches"])
+        self._start_counters = counters
+        self._seed, self._static_seed = state.get("next_seed"), bool(state.get("static_seed", False))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the workers and wait until they are ready (idempotent). Raises what a worker
+        raised while starting (an env factory's error, a :class:`SpecError` ...)."""
+        if self._state is State.CLOSED:
+            raise CollectorClosedError("this collector is closed and cannot be reopened; create a new Collector")
+        if self._state is State.CREATED:
+            self._state = State.STARTING
+            size = max(self.config.prefetch, 1)
+            self._send, self._recv = anyio.create_memory_object_stream[TensorDict](size)
+            self._started = anyio.Event()
+            self._done = anyio.Event()
+            self._stop = anyio.Event()
+            self._wakeup = anyio.Event()
+            self._task = spawn_system_task(self._run)
+        await self._started.wait()
+        if self._state is State.STOPPED and self._error is not None and self._batches == 0 and not self._error_seen:
+            self._error_seen = True
+            raise self._error
+
+    async def aclose(self) -> None:
+        """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is
+        killed), free the shared memory and close the stream. Idempotent; shielded from
+        cancellation. Raises an error of the workers that no consumer has seen yet."""
+        if self._state is State.CLOSED:
+            return
+        if self._state is State.CREATED:
+            self._state = State.CLOSED
+            return
+        with anyio.CancelScope(shield=True):
+            self._stop.set()
+            await self._done.wait()
+        self._recv.close()
+        self._state = State.CLOSED
+        if self._error is not None and not self._error_seen:
+            self._error_seen = True
+            raise self._error
+
+    async def __aenter__(self) -> "Collector":
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            await self.aclose()
+            return
+        try:
+            await self.aclose()
+        except Exception:
+            pass  # the body's exception wins; the collector is closed either way
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", State.CLOSED) in (State.CLOSED, State.CREATED):
+            return
+        warnings.warn(
+            f"{self!r} was not closed: use `async with Collector(...)` or `await collector.aclose()`",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        for w in self._workers:
+            try:
+                w.stop_nowait()
+            except Exception:
+                pass
+
+    # -- consuming --------------------------------------------------------------------------------
+    async def collect(self) -> TensorDict:
+        """The next batch (starting the collector if needed).
+
+        Raises :class:`EndOfCollection` once ``total_frames`` have been delivered, a worker's
+        error if one failed, :class:`CollectorClosedError` after :meth:`aclose`. Cancelling a
+        waiting call loses no frame: the batch goes to the next call.
+        """
+        if self._state is State.CREATED:
+            await self.start()
+        if self._state is State.CLOSED:
+            raise CollectorClosedError("this collector is closed; create a new Collector")
+        self._requested += 1
+        self._wake()
+        try:
+            return await self._recv.receive()
+        except anyio.EndOfStream:
+            if self._error is not None:
+                self._error_seen = True
+                raise self._error from self._error.__cause__
+            raise EndOfCollection(
+                f"all {self.config.total_frames} frames (total_frames) have been collected"
+            ) from None
+        except anyio.ClosedResourceError:
+            raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+
+    def __aiter__(self) -> AsyncIterator[TensorDict]:
+        return self
+
+    async def __anext__(self) -> TensorDict:
+        try:
+            return await self.collect()
+        except EndOfCollection:
+            raise StopAsyncIteration from None
+
+    # -- blocking wrapper -------------------------------------------------------------------------
+    def _portal(self) -> Any:
+        portal = getattr(self, "_blocking_portal", None)
+        if portal is None:
+            from anyio.from_thread import start_blocking_portal
+
+            options = {}
+            try:
+                import uvloop  # noqa: F401
+
+                options = {"use_uvloop": True}
+            except ImportError:  # pragma: no cover
+                pass
+            self._portal_cm = start_blocking_portal("asyncio", options)
+            portal = self._blocking_portal = self._portal_cm.__enter__()
+        return portal
+
+    def __enter__(self) -> "Collector":
+        self._portal().call(self.start)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc is None:
+                raise
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        """Plain ``for batch in collector`` (blocking). Runs the collector in an event loop in a
+        helper thread (an anyio blocking portal); :meth:`close` ends both."""
+        portal = self._portal()
+        while True:
+            try:
+                yield portal.call(self.collect)
+            except EndOfCollection:
+                return
+
+    def close(self) -> None:
+        """Blocking :meth:`aclose`, for code that used the blocking wrapper."""
+        portal = getattr(self, "_blocking_portal", None)
+        if portal is None:
+            if self._state in (State.CREATED, State.CLOSED):
+                self._state = State.CLOSED
+                return
+            raise RuntimeError("this collector runs in an event loop: use `await collector.aclose()`")
+        try:
+            portal.call(self.aclose)
+        finally:
+            self._blocking_portal = None
+            self._portal_cm.__exit__(None, None, None)
+
+    # -- the collector's own task -----------------------------------------------------------------
+    def _wake(self, worker: WorkerHandle | None = None) -> None:
+        if worker is not None:
+            self._arrivals.append(worker)
+        wakeup = getattr(self, "_wakeup", None)
+        if wakeup is not None:
+            wakeup.set()
+
+    async def _run(self) -> None:
+        try:
+            try:
+                async with anyio.create_task_group() as tg:
+                    await self._launch()
+                    self._state = State.RUNNING
+                    self._started.set()
+                    for w in self._workers:
+                        tg.start_soon(w.serve, self._wake)
+                    tg.start_soon(self._produce)
+                    await self._stop.wait()
+                    tg.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - reported to the consumer
+                self._error = _unwrap(exc)
+            finally:
+                await self._stop_workers()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            self._send.close()
+            if self._state is not State.CLOSED:
+                self._state = State.STOPPED
+            self._started.set()
+            self._done.set()
+
+    async def _stop_workers(self) -> None:
+        workers, self._workers = self._workers, []
+        self._keep_pids = tuple(w.pid for w in workers if w.pid is not None)
+        try:
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for w in workers:
+                        tg.start_soon(w.stop, self.config.shutdown_timeout)
+        except BaseException:
+            for w in workers:  # the event loop is going away: no more awaiting
+                w.stop_nowait()
+            raise
+
+    def _rollout_configs(self, spec: PolicySpec) -> list[RolloutConfig]:
+        c = self.config
+        counters = tuple(self._start_counters) if self._start_counters else None
+        return [
+            RolloutConfig(
+                env_fn=c.create_env_fn,
+                env_kwargs=dict(c.create_env_kwargs or {}),
+                policy=spec,
+                worker=i,
+                envs_per_worker=c.envs_per_worker,
+                total_envs=c.total_envs,
+                frames_per_env=c.frames_per_env,
+                seed=self._seed,
+                static_seed=self._static_seed,
+                max_frames_per_traj=c.max_frames_per_traj,
+                random_steps=max(c.random_steps - self._frames // c.total_envs, 0),
+                reset_at_each_iter=c.reset_at_each_iter,
+                traj_counters=counters,
+                start_batch=self._batches if c.delivery == "sync" else 0,
+            )
+            for i in range(c.workers)
+        ]
+
+    async def _launch(self) -> None:
+        c = self.config
+        if c.num_workers == 0:
+            if c.policy is None and c.policy_factory is None:
+                spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
+            else:
+                policy = c.policy if c.policy is not None else c.policy_factory()  # type: ignore[misc]
+                spec = PolicySpec("local", exploration_type=c.exploration_type)
+            local = LocalWorker(self._rollout_configs(spec)[0], policy)
+            self._workers = [local]
+            specs = [local.rollout.spec()]
+        else:
+            try:
+                spec = describe(c.policy, c.policy_factory, c.exploration_type)
+            except Exception as exc:
+                raise AiocollectError(
+                    f"the policy could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+                    f"pass policy_factory=<a function that builds it> instead"
+                ) from exc
+            workers, specs = await start_process_workers(self._rollout_configs(spec), spec.needs, get_launcher())
+            self._workers = list(workers)
+        for i, s in enumerate(specs[1:], 1):
+            if s != specs[0]:
+                raise SpecError(
+                    f"worker {i} reports batch leaves {s} but worker 0 reports {specs[0]}: every env "
+                    f"must have the same spaces and the policy the same outputs"
+                )
+        leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
+        self._layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
+        if c.num_workers == 0:
+            self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
+        else:
+            await setup_process_slots(self._workers, self._layout)  # type: ignore[arg-type]
+        if c.progress:
+            from ._progress import make_bar
+
+            self._bar = make_bar(c.total_frames, self._frames)
+        self._t0 = time.perf_counter()
+
+    async def _pump(self, produced: int, remaining: int) -> None:
+        """Grant workers the credits they may collect with now."""
+        if self.config.delivery == "sync":
+            target = min(remaining, self._run_requested() + self.config.prefetch)
+        else:
+            target = remaining
+        for w in self._workers:
+            if w.credits_sent < target:
+                await w.grant(target - w.credits_sent)
+
+    def _run_requested(self) -> int:
+        return self._requested
+
+    async def _wait(self, cond: Callable[[], bool], produced: int, remaining: int) -> None:
+        while True:
+            await self._pump(produced, remaining)
+            self._wakeup = anyio.Event()
+            if cond():
+                return
+            await self._wakeup.wait()
+
+    async def _produce(self) -> None:
+        c = self.config
+        total = c.total_batches
+        remaining = _ENDLESS if total is None else total - self._batches
+        workers = self._workers
+        sync = c.delivery == "sync"
+        produced = 0
+        while produced < remaining:
+            await self._wait(lambda: self._requested + c.prefetch > produced, produced, remaining)
+            if sync:
+                await self._wait(lambda: all(w.ready for w in workers), produced, remaining)
+                parts = [(w, w.ready.popleft()) for w in workers]
+            else:
+                await self._wait(lambda: bool(self._arrivals), produced, remaining)
+                w = self._arrivals.popleft()
+                parts = [(w, w.ready.popleft())]
+            batch = await self._assemble([(w, item[0]) for w, item in parts])
+            for w, (slot, _, info) in parts:
+                await w.release(slot)
+                self._record(w, info)
+            self._arrivals.clear() if sync else None
+            produced += 1
+            self._frames += c.frames_per_batch
+            self._batches += 1
+            if c.split_trajs:
+                batch = split_trajectories(batch)
+            await self._send.send(batch)
+            if self._bar is not None:
+                self._bar.update_to(self._frames, time.perf_counter() - self._t0)
+        self._stop.set()  # total_frames reached: release the workers now
+
+    def _record(self, w: WorkerHandle, info: dict) -> None:
+        c = self.config
+        if self._counters is None:
+            self._counters = list(self._start_counters or [0] * c.total_envs)
+        base = w.index * c.envs_per_worker
+        self._counters[base : base + c.envs_per_worker] = info["traj_counters"]
+        self._episodes += len(info["episodes"])
+
+    async def _assemble(self, parts: list[tuple[WorkerHandle, int]]) -> TensorDict:
+        layout: SlotLayout = self._layout
+        views = [w.slots.views[slot] for w, slot in parts]
+
+        def copy() -> TensorDict:
+            flat: dict[Key, torch.Tensor] = {}
+            for leaf in layout.leaves:
+                tensors = [v[leaf.key] for v in views]
+                flat[leaf.key] = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
+            E = layout.num_envs * len(views)
+            T = layout.frames_per_env
+            for name in ("done", "terminated", "truncated"):
+                flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
+            return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
+
+        if layout.slot_nbytes * len(views) > _THREAD_COPY_BYTES:
+            return await anyio.to_thread.run_sync(copy)
+        return copy()
+
+
+

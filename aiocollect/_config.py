@@ -1,0 +1,176 @@
+"""The collector's options: one frozen dataclass, each field typed, defaulted and documented, and
+every invalid value or combination rejected at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any, Callable, Literal
+
+from ._errors import ConfigError
+from ._policy import EXPLORATION_TYPES
+
+
+def _exploration_name(value: Any) -> str:
+    name = getattr(value, "value", value)  # tensordict's InteractionType / TorchRL's ExplorationType
+    if not isinstance(name, str) or name.lower() not in EXPLORATION_TYPES:
+        raise ConfigError(
+            f"exploration_type={value!r} is not one of {list(EXPLORATION_TYPES)}; pass a string or "
+            f"tensordict.nn.InteractionType (e.g. InteractionType.DETERMINISTIC)"
+        )
+    return name.lower()
+
+
+def _check_env_id(env_id: str) -> None:
+    import gymnasium as gym
+
+    if ":" in env_id or env_id in gym.registry:
+        return
+    close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+        "; register it with gymnasium.register, or use 'module:EnvId' so that the module is imported first"
+    )
+    raise ConfigError(f"create_env_fn={env_id!r} is not a registered gymnasium env id{hint}")
+
+
+def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectorConfig:
+    """Every option of :class:`~aiocollect.Collector` (see its docstring for the whole story)."""
+
+    create_env_fn: Any
+    """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``
+    (lambdas and classes defined in ``__main__`` or a notebook work: it travels with cloudpickle)."""
+    policy: Any = None
+    """``None`` (random actions from the action space), a ``TensorDictModule``, a plain ``nn.Module``
+    on the observation tensor, or any callable taking and returning a TensorDict."""
+    frames_per_batch: int = 0
+    """Frames in each delivered batch; a multiple of the number of envs that fill it."""
+    total_frames: int = -1
+    """Frames to collect in all (a multiple of ``frames_per_batch``); ``-1`` collects forever."""
+    num_workers: int = 1
+    """Worker processes; ``0`` runs the envs in the collector's process (local backend)."""
+    envs_per_worker: int = 1
+    """Envs stepped by each worker (batched through the policy together)."""
+    delivery: Literal["sync", "async"] = "sync"
+    """``"sync"``: each batch holds frames from every worker, ordered by worker. ``"async"``: each
+    batch is the first worker batch ready."""
+    inference: Literal["worker"] = "worker"
+    """Where the policy runs: ``"worker"`` (a replica in each worker, on CPU)."""
+    create_env_kwargs: dict | None = None
+    """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``)."""
+    policy_factory: Callable[[], Any] | None = None
+    """Builds the policy inside each worker instead of copying ``policy``."""
+    max_frames_per_traj: int | None = None
+    """Truncate episodes after this many frames (``("next", "truncated")`` is set)."""
+    init_random_frames: int | None = None
+    """Frames (in all) collected with random actions before the policy is used."""
+    reset_at_each_iter: bool = False
+    """Reset every env at the start of each batch."""
+    split_trajs: bool = False
+    """Deliver ``[n_traj, max_len]`` padded trajectories with a ``("collector", "mask")``."""
+    exploration_type: str = "random"
+    """tensordict interaction type the policy runs under: random, deterministic, mode, mean, median."""
+    progress: bool = False
+    """Show a progress bar (tqdm; works in notebooks)."""
+    seed: int | None = None
+    """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
+    prefetch: int = 1
+    """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
+    shutdown_timeout: float = 5.0
+    """Seconds a worker gets to close its envs and exit before it is killed."""
+
+    def __post_init__(self) -> None:
+        fn = self.create_env_fn
+        if isinstance(fn, str):
+            _check_env_id(fn)
+        elif not callable(fn):
+            raise ConfigError(
+                f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env"
+            )
+        _positive_int("frames_per_batch", self.frames_per_batch)
+        if isinstance(self.total_frames, bool) or not isinstance(self.total_frames, int):
+            raise ConfigError(f"total_frames={self.total_frames!r} must be an int (-1 for endless)")
+        if self.total_frames != -1:
+            if self.total_frames <= 0:
+                raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 to collect forever")
+            if self.total_frames % self.frames_per_batch:
+                lower = self.total_frames // self.frames_per_batch * self.frames_per_batch
+                upper = lower + self.frames_per_batch
+                raise ConfigError(
+                    f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
+                    f"{self.frames_per_batch}; use {upper}" + (f" or {lower}" if lower else "")
+                )
+        _positive_int("num_workers", self.num_workers, allow_zero=True)
+        _positive_int("envs_per_worker", self.envs_per_worker)
+        if self.delivery not in ("sync", "async"):
+            raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
+        if self.inference != "worker":
+            raise ConfigError(
+                f"inference={self.inference!r} is not available in this version; use inference='worker' "
+                f"(the policy runs in each worker)"
+            )
+        if self.policy is not None and self.policy_factory is not None:
+            raise ConfigError("pass either policy or policy_factory, not both")
+        if self.policy is not None and not callable(self.policy):
+            raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
+        if self.policy_factory is not None and not callable(self.policy_factory):
+            raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable")
+        if self.create_env_kwargs is not None and not isinstance(self.create_env_kwargs, dict):
+            raise ConfigError(f"create_env_kwargs={self.create_env_kwargs!r} must be a dict or None")
+        envs = self.envs_per_batch
+        if self.frames_per_batch % envs:
+            who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
+            lower = self.frames_per_batch // envs * envs
+            raise ConfigError(
+                f"frames_per_batch={self.frames_per_batch} is not a multiple of the {envs} envs that fill "
+                f"each batch ({who}); use frames_per_batch={lower + envs}" + (f" or {lower}" if lower else "")
+            )
+        if self.max_frames_per_traj is not None:
+            _positive_int("max_frames_per_traj", self.max_frames_per_traj)
+        if self.init_random_frames is not None:
+            _positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
+        for name in ("reset_at_each_iter", "split_trajs", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        object.__setattr__(self, "exploration_type", _exploration_name(self.exploration_type))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed={self.seed!r} must be an int or None")
+        _positive_int("prefetch", self.prefetch, allow_zero=True)
+        if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+
+    @property
+    def workers(self) -> int:
+        """Number of rollout workers (1 for the local backend)."""
+        return max(self.num_workers, 1)
+
+    @property
+    def total_envs(self) -> int:
+        return self.workers * self.envs_per_worker
+
+    @property
+    def envs_per_batch(self) -> int:
+        """Envs whose frames make up one delivered batch."""
+        return self.total_envs if self.delivery == "sync" else self.envs_per_worker
+
+    @property
+    def frames_per_env(self) -> int:
+        """``T``: frames each env contributes to a batch."""
+        return self.frames_per_batch // self.envs_per_batch
+
+    @property
+    def total_batches(self) -> int | None:
+        return None if self.total_frames == -1 else self.total_frames // self.frames_per_batch
+
+    @property
+    def random_steps(self) -> int:
+        """Steps of each env taken with random actions (``init_random_frames`` spread evenly)."""
+        return -(-(self.init_random_frames or 0) // self.total_envs)

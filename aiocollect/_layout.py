@@ -1,0 +1,223 @@
+"""From an env's spaces to the batch layout: a flat list of leaves, each a nested key, a
+per-frame shape and a dtype, and how each worker's batch slots sit in shared memory.
+
+Imported by worker processes: numpy and gymnasium only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+from gymnasium import spaces
+
+from ._errors import SpecError
+
+Key = tuple[str, ...]
+
+#: keys the collector writes itself; a Dict observation space may not use them at its top level.
+RESERVED_KEYS = frozenset({"action", "done", "terminated", "truncated", "next", "collector", "reward"})
+_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One tensor of the batch: ``key`` (nested), per-frame ``shape``, numpy ``dtype`` name."""
+
+    key: Key
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+
+def _space_name(space: spaces.Space) -> str:
+    return repr(space)
+
+
+def space_leaves(space: spaces.Space, prefix: Key, *, root_dict: bool = False) -> list[Leaf]:
+    """The leaves of ``space`` under ``prefix``.
+
+    With ``root_dict=True`` a top-level Dict puts its keys at the root of the batch (TorchRL's
+    convention for Dict observations: ``"pixels"``, ``"state"`` ...), else under ``prefix``.
+    """
+    if isinstance(space, spaces.Box):
+        return [Leaf(prefix, tuple(space.shape), np.dtype(space.dtype).name)]
+    if isinstance(space, spaces.Discrete):
+        return [Leaf(prefix, (), "int64")]
+    if isinstance(space, spaces.MultiDiscrete):
+        return [Leaf(prefix, tuple(space.shape), "int64")]
+    if isinstance(space, spaces.MultiBinary):
+        return [Leaf(prefix, tuple(space.shape), "int8")]
+    if isinstance(space, spaces.Dict):
+        out: list[Leaf] = []
+        for name, sub in space.spaces.items():
+            if not isinstance(name, str):
+                raise SpecError(f"Dict space keys must be strings, got {name!r} in {_space_name(space)}")
+            if root_dict and name in RESERVED_KEYS:
+                raise SpecError(
+                    f"the observation space is a Dict with a top-level key {name!r}, which the batch "
+                    f"layout reserves ({sorted(RESERVED_KEYS)}); rename it with a gymnasium wrapper "
+                    f"(for example gymnasium.wrappers.TransformObservation)"
+                )
+            out += space_leaves(sub, (name,) if root_dict else prefix + (name,))
+        return out
+    if isinstance(space, spaces.Tuple):
+        out = []
+        for i, sub in enumerate(space.spaces):
+            out += space_leaves(sub, prefix + (str(i),))
+        return out
+    raise SpecError(
+        f"unsupported space {_space_name(space)} at key {'.'.join(prefix) or '<root>'}: aiocollect "
+        f"supports Box, Discrete, MultiDiscrete, MultiBinary and nested Dict/Tuple; flatten it with "
+        f"a gymnasium wrapper (for example gymnasium.wrappers.FlattenObservation)"
+    )
+
+
+def observation_leaves(space: spaces.Space) -> list[Leaf]:
+    return space_leaves(space, ("observation",), root_dict=True)
+
+
+def action_leaves(space: spaces.Space) -> list[Leaf]:
+    return space_leaves(space, ("action",))
+
+
+def flattener(space: spaces.Space, what: str) -> Callable[[Any], list[Any]]:
+    """A function mapping a structured value of ``space`` to its leaf values, in leaf order."""
+    if isinstance(space, spaces.Dict):
+        subs = [(name, flattener(sub, f"{what}[{name!r}]")) for name, sub in space.spaces.items()]
+
+        def flatten_dict(value: Any) -> list[Any]:
+            out: list[Any] = []
+            try:
+                for name, sub in subs:
+                    out += sub(value[name])
+            except (KeyError, TypeError) as exc:
+                raise SpecError(
+                    f"{what} {value!r:.200} does not match {_space_name(space)}: {exc!r}"
+                ) from None
+            return out
+
+        return flatten_dict
+    if isinstance(space, spaces.Tuple):
+        subs_t = [flattener(sub, f"{what}[{i}]") for i, sub in enumerate(space.spaces)]
+
+        def flatten_tuple(value: Any) -> list[Any]:
+            if len(value) != len(subs_t):
+                raise SpecError(f"{what} has {len(value)} parts but {_space_name(space)} has {len(subs_t)}")
+            out: list[Any] = []
+            for sub, part in zip(subs_t, value):
+                out += sub(part)
+            return out
+
+        return flatten_tuple
+    return _single
+
+
+def _single(value: Any) -> list[Any]:
+    return [value]
+
+
+def unflattener(space: spaces.Space) -> Callable[[list[Any]], Any]:
+    """Inverse of :func:`flattener`: builds the env's structured action from leaf values."""
+    count = len(space_leaves(space, ()))
+    if isinstance(space, spaces.Dict):
+        parts = []
+        start = 0
+        for name, sub in space.spaces.items():
+            n = len(space_leaves(sub, ()))
+            parts.append((name, unflattener(sub), start, start + n))
+            start += n
+        return lambda values: {name: fn(values[a:b]) for name, fn, a, b in parts}
+    if isinstance(space, spaces.Tuple):
+        parts_t = []
+        start = 0
+        for sub in space.spaces:
+            n = len(space_leaves(sub, ()))
+            parts_t.append((unflattener(sub), start, start + n))
+            start += n
+        return lambda values: tuple(fn(values[a:b]) for fn, a, b in parts_t)
+    assert count == 1
+    return _first
+
+
+def _first(values: list[Any]) -> Any:
+    return values[0]
+
+
+def check_value(value: Any, leaf: Leaf, what: str) -> np.ndarray:
+    """Return ``value`` as an array of the leaf's shape, or raise a :class:`SpecError`."""
+    arr = np.asarray(value)
+    if arr.shape != leaf.shape:
+        raise SpecError(
+            f"{what} for key {'.'.join(leaf.key)!r} has shape {arr.shape}, but its space declares "
+            f"{leaf.shape}; fix the env (or wrap it) so that its values match its declared space"
+        )
+    want = leaf.np_dtype
+    if want.kind in "iub" and arr.dtype.kind == "f":
+        raise SpecError(
+            f"{what} for key {'.'.join(leaf.key)!r} has dtype {arr.dtype}, but its space holds "
+            f"integers ({want}); fix the env's dtype or its space"
+        )
+    if arr.dtype.kind not in "biuf":
+        raise SpecError(f"{what} for key {'.'.join(leaf.key)!r} has non-numeric dtype {arr.dtype}")
+    return arr
+
+
+# -- slots ------------------------------------------------------------------------------------
+
+
+def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[Leaf]:
+    """Every leaf a worker writes into a slot, in a fixed order."""
+    leaves = list(obs) + list(act) + list(extras)
+    leaves += [Leaf(("next",) + leaf.key, leaf.shape, leaf.dtype) for leaf in obs]
+    leaves += [
+        Leaf(("next", "reward"), (1,), "float32"),
+        Leaf(("next", "done"), (1,), "bool"),
+        Leaf(("next", "terminated"), (1,), "bool"),
+        Leaf(("next", "truncated"), (1,), "bool"),
+        Leaf(("collector", "traj_ids"), (), "int64"),
+        Leaf(("collector", "policy_version"), (), "int64"),
+    ]
+    return leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Where each leaf of one worker's batch slots lives in its shared-memory segment."""
+
+    leaves: tuple[Leaf, ...]
+    num_envs: int
+    frames_per_env: int
+    num_slots: int
+    offsets: tuple[int, ...]
+    slot_nbytes: int
+
+    @classmethod
+    def build(cls, leaves: list[Leaf], num_envs: int, frames_per_env: int, num_slots: int) -> "SlotLayout":
+        offsets = []
+        pos = 0
+        for leaf in leaves:
+            nbytes = num_envs * frames_per_env * int(np.prod(leaf.shape, dtype=np.int64)) * leaf.np_dtype.itemsize
+            pos = -(-pos // _ALIGN) * _ALIGN
+            offsets.append(pos)
+            pos += nbytes
+        slot_nbytes = -(-max(pos, 1) // 4096) * 4096
+        return cls(tuple(leaves), num_envs, frames_per_env, num_slots, tuple(offsets), slot_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_nbytes * self.num_slots
+
+    def views(self, buffer: Any, slot: int) -> dict[Key, np.ndarray]:
+        """numpy views of one slot over ``buffer`` (an mmap or a bytearray)."""
+        base = slot * self.slot_nbytes
+        out = {}
+        for leaf, off in zip(self.leaves, self.offsets):
+            shape = (self.num_envs, self.frames_per_env) + leaf.shape
+            count = int(np.prod(shape, dtype=np.int64))
+            out[leaf.key] = np.frombuffer(buffer, dtype=leaf.np_dtype, count=count, offset=base + off).reshape(shape)
+        return out

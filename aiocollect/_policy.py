@@ -1,0 +1,343 @@
+"""Policies: how the collector classifies the policy it is given (in the user's process) and how
+a worker runs it on a batch of observations.
+
+Imported by worker processes: a worker with a random policy never imports torch, and one with a
+plain ``nn.Module`` (or a simple ``TensorDictModule``, which is unwrapped) never imports
+tensordict: both imports are lazy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from gymnasium import spaces
+
+from ._errors import SpecError
+from ._layout import Key, Leaf, flattener, unflattener
+
+EXPLORATION_TYPES = ("random", "deterministic", "mode", "mean", "median")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """What a worker needs to rebuild the policy: picklable, no torch objects outside ``payload``.
+
+    kind: ``"random"`` (sample the action space), ``"module"`` (a callable on tensors, mapped from
+    ``in_keys`` to ``out_keys``), ``"tensordict"`` (a callable taking and returning a TensorDict)
+    or ``"factory"`` (``payload`` builds one of the others in the worker).
+    """
+
+    kind: str
+    payload: bytes = b""
+    in_keys: tuple[Key, ...] = (("observation",),)
+    out_keys: tuple[Key, ...] = (("action",),)
+    exploration_type: str = "random"
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Modules a worker imports before running it (imported once, in the launcher)."""
+        if self.kind == "random":
+            return ()
+        if self.kind == "tensordict":
+            return ("torch", "tensordict")
+        return ("torch",)
+
+
+def _as_key(key: Any) -> Key:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _torch_nn() -> Any:
+    return sys.modules.get("torch.nn")
+
+
+def _simple_tensordict_module(obj: Any) -> bool:
+    """A ``TensorDictModule`` that only maps in_keys to out_keys with its inner module: run the
+    inner module directly, so that the worker needs no tensordict import."""
+    td_nn = sys.modules.get("tensordict.nn")
+    if td_nn is None or type(obj) is not td_nn.TensorDictModule:
+        return False
+    return (
+        getattr(obj, "method", None) is None
+        and not getattr(obj, "method_kwargs", None)
+        and isinstance(obj.in_keys, (list, tuple))
+        and len(obj.out_keys) >= 1
+    )
+
+
+def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
+    """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory)."""
+    if _simple_tensordict_module(obj):
+        return ("module", obj.module, tuple(_as_key(k) for k in obj.in_keys), tuple(_as_key(k) for k in obj.out_keys))
+    td_nn = sys.modules.get("tensordict.nn")
+    nn = _torch_nn()
+    if td_nn is not None and isinstance(obj, td_nn.TensorDictModuleBase):
+        return ("tensordict", obj, (), ())
+    if nn is not None and isinstance(obj, nn.Module):
+        return ("module", obj, (("observation",),), (("action",),))
+    if callable(obj):
+        return ("tensordict", obj, (), ())
+    raise TypeError(f"policy must be callable, got {type(obj).__name__}")
+
+
+def describe(policy: Any, policy_factory: Any, exploration_type: str) -> PolicySpec:
+    """Parent side: the :class:`PolicySpec` sent to workers."""
+    import cloudpickle
+
+    if policy_factory is not None:
+        return PolicySpec("factory", cloudpickle.dumps(policy_factory), exploration_type=exploration_type)
+    if policy is None:
+        return PolicySpec("random", exploration_type=exploration_type)
+    kind, fn, in_keys, out_keys = classify(policy)
+    if kind == "module":
+        return PolicySpec("module", cloudpickle.dumps(fn), in_keys, out_keys, exploration_type)
+    return PolicySpec("tensordict", cloudpickle.dumps(fn), exploration_type=exploration_type)
+
+
+# -- runners (worker side, or in-process for the local backend) ----------------------------------
+
+
+class EnvActions:
+    """Turns stored action leaves (arrays ``[E, ...]``) into what each env's ``step`` takes."""
+
+    def __init__(self, space: spaces.Space, leaves: list[Leaf]) -> None:
+        self.leaves = leaves
+        self.single = len(leaves) == 1
+        self.discrete = self.single and isinstance(space, spaces.Discrete)
+        self.unflatten = unflattener(space)
+
+    def per_env(self, arrays: list[np.ndarray], num_envs: int) -> Sequence[Any]:
+        if self.discrete:
+            return arrays[0].tolist()
+        if self.single:
+            return list(arrays[0])
+        return [self.unflatten([a[i] for a in arrays]) for i in range(num_envs)]
+
+
+class RandomRunner:
+    """Samples each env's own copy of the action space (seeded per env, so the same seed gives the
+    same actions whatever the number of workers)."""
+
+    uses_torch = False
+
+    def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
+        self.spaces = action_spaces
+        self.flatten = flattener(action_spaces[0], "action")
+        self.single = len(act_leaves) == 1
+        self.dtypes = [leaf.np_dtype for leaf in act_leaves]
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        samples = [space.sample() for space in self.spaces]
+        if self.single:
+            arrays = [np.asarray(samples, dtype=self.dtypes[0])]
+        else:
+            flat = [self.flatten(s) for s in samples]
+            arrays = [np.asarray([f[j] for f in flat], dtype=dt) for j, dt in enumerate(self.dtypes)]
+        return samples, arrays, []
+
+    def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
+        return []
+
+
+def _np_dtype_name(tensor: Any, key: Key) -> str:
+    import torch
+
+    try:
+        return torch.empty(0, dtype=tensor.dtype).numpy().dtype.name
+    except TypeError:
+        raise SpecError(
+            f"the policy wrote {'.'.join(key)!r} with dtype {tensor.dtype}, which has no numpy "
+            f"equivalent for shared-memory storage; cast it to float32 in the policy"
+        ) from None
+
+
+class _TorchRunner:
+    """Common part of the torch runners: output checks and conversion."""
+
+    uses_torch = True
+
+    def __init__(self, act_space: spaces.Space, act_leaves: list[Leaf], obs_leaves: list[Leaf], num_envs: int) -> None:
+        self.act_space = act_space
+        self.act_leaves = act_leaves
+        self.obs_leaves = obs_leaves
+        self.obs_keys = [leaf.key for leaf in obs_leaves]
+        self.num_envs = num_envs
+        self.env_actions = EnvActions(act_space, act_leaves)
+        self.extra_keys: list[Key] = []
+        self.checked = False
+
+    def _check_action(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            raise SpecError(f"the policy wrote {'.'.join(key)!r} as {type(value).__name__}, expected a torch.Tensor")
+        want = (self.num_envs,) + leaf.shape
+        if tuple(value.shape) != want:
+            hint = ""
+            if isinstance(self.act_space, spaces.Discrete) and tuple(value.shape) == (self.num_envs, int(self.act_space.n)):
+                hint = " (it looks one-hot or like logits: write the index, e.g. logits.argmax(-1))"
+            elif tuple(value.shape) == (self.num_envs, 1) + leaf.shape or tuple(value.shape) == want + (1,):
+                hint = " (squeeze the extra dimension)"
+            raise SpecError(
+                f"the policy wrote {'.'.join(key)!r} with shape {tuple(value.shape)} for {self.num_envs} envs, "
+                f"but the action space {self.act_space} needs shape {want} (dtype {leaf.dtype}){hint}"
+            )
+        if leaf.np_dtype.kind in "iu" and (value.is_floating_point() or value.is_complex()):
+            raise SpecError(
+                f"the policy wrote {'.'.join(key)!r} with dtype {value.dtype}, but the action space "
+                f"{self.act_space} takes integers ({leaf.dtype}); return indices, e.g. logits.argmax(-1)"
+            )
+        return value.detach().cpu().numpy()
+
+    def _convert(self, outputs: dict[Key, Any]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if not self.checked:
+            arrays = []
+            for leaf in self.act_leaves:
+                if leaf.key not in outputs:
+                    raise SpecError(
+                        f"the policy wrote no {'.'.join(leaf.key)!r}: it must write the action for "
+                        f"{self.act_space} (it wrote {sorted('.'.join(k) for k in outputs)})"
+                    )
+                arrays.append(self._check_action(leaf.key, outputs[leaf.key], leaf))
+            self.checked = True
+        else:
+            arrays = []
+            for leaf in self.act_leaves:
+                value = outputs[leaf.key]
+                if value.shape[0] != self.num_envs or value.dim() != 1 + len(leaf.shape):
+                    self._check_action(leaf.key, value, leaf)
+                arrays.append(value.detach().cpu().numpy())
+        arrays = [a.astype(leaf.np_dtype, copy=False) for a, leaf in zip(arrays, self.act_leaves)]
+        extras = [outputs[k].detach().cpu().numpy() for k in self.extra_keys]
+        return self.env_actions.per_env(arrays, self.num_envs), arrays, extras
+
+    def _extra_leaves(self, outputs: dict[Key, Any]) -> list[Leaf]:
+        import torch
+
+        known = set(self.obs_keys) | {leaf.key for leaf in self.act_leaves}
+        leaves = []
+        for key, value in outputs.items():
+            if key in known:
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.num_envs:
+                raise SpecError(
+                    f"the policy wrote {'.'.join(key)!r} with shape {getattr(value, 'shape', None)}; every "
+                    f"policy output needs a leading dimension of {self.num_envs} (one row per env)"
+                )
+            leaves.append(Leaf(key, tuple(value.shape[1:]), _np_dtype_name(value, key)))
+        self.extra_keys = [leaf.key for leaf in leaves]
+        return leaves
+
+    def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
+        """Run the policy once (without touching torch's RNG), check its outputs and return the
+        extra leaves it writes."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            outputs = self._forward(obs)
+        for leaf in self.act_leaves:
+            if leaf.key not in outputs:
+                self._convert(outputs)  # raises the missing-action error
+        extras = self._extra_leaves(outputs)
+        self._convert(outputs)
+        return extras
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        return self._convert(self._forward(obs))
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        raise NotImplementedError
+
+
+class ModuleRunner(_TorchRunner):
+    """A callable on tensors: inputs are the ``in_keys`` observation leaves, outputs (a tensor or
+    a tuple) are named by ``out_keys``."""
+
+    def __init__(self, module: Callable, in_keys: tuple[Key, ...], out_keys: tuple[Key, ...], *args: Any) -> None:
+        super().__init__(*args)
+        self.module = module
+        self.out_keys = list(out_keys)
+        index = {key: i for i, key in enumerate(self.obs_keys)}
+        missing = [k for k in in_keys if k not in index]
+        if missing:
+            raise SpecError(
+                f"the policy reads {['.'.join(k) for k in missing]}, which the observations do not have "
+                f"(they have {['.'.join(k) for k in self.obs_keys]}); wrap the module in a "
+                f"tensordict.nn.TensorDictModule with matching in_keys"
+            )
+        self.in_idx = [index[k] for k in in_keys]
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        import torch
+
+        with torch.no_grad():
+            out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
+        if not isinstance(out, tuple):
+            out = (out,)
+        if len(out) != len(self.out_keys):
+            raise SpecError(
+                f"the policy returned {len(out)} tensors for out_keys {['.'.join(k) for k in self.out_keys]}"
+            )
+        return dict(zip(self.out_keys, out))
+
+
+class TensorDictRunner(_TorchRunner):
+    """A callable taking and returning a TensorDict of batch size ``[num_envs]``, run under
+    tensordict's interaction type ``exploration_type``."""
+
+    def __init__(self, policy: Callable, exploration_type: str, *args: Any) -> None:
+        super().__init__(*args)
+        from tensordict.nn import InteractionType
+
+        self.policy = policy
+        self.interaction = InteractionType(exploration_type)
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        import torch
+        from tensordict import TensorDict, TensorDictBase
+        from tensordict.nn import set_interaction_type
+
+        td = TensorDict({}, batch_size=[self.num_envs])
+        for key, arr in zip(self.obs_keys, obs):
+            td.set(key, torch.from_numpy(arr))
+        with torch.no_grad(), set_interaction_type(self.interaction):
+            out = self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise SpecError(
+                f"the policy returned {type(out).__name__}; a TensorDict policy must return the TensorDict "
+                f"(or None after writing into it). A plain nn.Module taking the observation tensor is "
+                f"wrapped automatically"
+            )
+        return {_as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
+
+
+def build_runner(
+    spec: PolicySpec,
+    act_space: spaces.Space,
+    act_leaves: list[Leaf],
+    obs_leaves: list[Leaf],
+    num_envs: int,
+    action_spaces: list[spaces.Space],
+    local_policy: Any = None,
+) -> Any:
+    """Worker side. ``local_policy`` is the user's object itself (local backend: no copy)."""
+    import cloudpickle
+
+    kind, payload, in_keys, out_keys = spec.kind, None, spec.in_keys, spec.out_keys
+    if kind == "random":
+        return RandomRunner(action_spaces, act_leaves)
+    if local_policy is not None:
+        kind, payload, in_keys, out_keys = classify(local_policy)
+    elif kind == "factory":
+        kind, payload, in_keys, out_keys = classify(cloudpickle.loads(spec.payload)())
+    else:
+        payload = cloudpickle.loads(spec.payload)
+    common = (act_space, act_leaves, obs_leaves, num_envs)
+    if kind == "module":
+        return ModuleRunner(payload, in_keys, out_keys, *common)
+    return TensorDictRunner(payload, spec.exploration_type, *common)

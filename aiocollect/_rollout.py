@@ -1,0 +1,252 @@
+"""The rollout engine: steps a worker's envs with the policy and writes frames in place into a
+batch slot. Runs in worker processes, or in the collector's process for the local backend.
+
+Imported by worker processes: numpy and gymnasium only (torch through the policy runner).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import gymnasium as gym
+import numpy as np
+
+from ._errors import SpecError
+from ._layout import Key, Leaf, action_leaves, check_value, flattener, observation_leaves
+from ._policy import PolicySpec, RandomRunner, build_runner
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Settings one worker's rollout needs (picklable, sent to each worker)."""
+
+    env_fn: Any  # a gymnasium id (str) or a callable returning a gymnasium.Env
+    env_kwargs: dict
+    policy: PolicySpec
+    worker: int
+    envs_per_worker: int
+    total_envs: int
+    frames_per_env: int
+    seed: int | None = None
+    static_seed: bool = False
+    max_frames_per_traj: int | None = None
+    random_steps: int = 0
+    reset_at_each_iter: bool = False
+    traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
+    start_batch: int = 0
+
+
+def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
+    if isinstance(env_fn, str):
+        env = gym.make(env_fn, **env_kwargs)
+    else:
+        env = env_fn(**env_kwargs)
+    if not isinstance(env, gym.Env):
+        raise TypeError(
+            f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
+            f"(vectorized envs are not supported: use envs_per_worker instead)"
+        )
+    return env
+
+
+@dataclasses.dataclass
+class EpisodeEnd:
+    env: int  # global env index
+    traj_id: int
+    ret: float
+    length: int
+    terminated: bool
+
+
+class Rollout:
+    """Steps ``envs_per_worker`` envs; :meth:`fill` writes one batch into a slot's arrays."""
+
+    def __init__(self, cfg: RolloutConfig, local_policy: Any = None) -> None:
+        self.cfg = cfg
+        self.envs: list[gym.Env] = []
+        try:
+            for _ in range(cfg.envs_per_worker):
+                self.envs.append(make_env(cfg.env_fn, cfg.env_kwargs))
+            self._setup(local_policy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, local_policy: Any) -> None:
+        cfg = self.cfg
+        E = cfg.envs_per_worker
+        first = self.envs[0]
+        self.obs_space, self.act_space = first.observation_space, first.action_space
+        for i, env in enumerate(self.envs[1:], 1):
+            if env.observation_space != self.obs_space or env.action_space != self.act_space:
+                raise SpecError(
+                    f"env {i} of worker {cfg.worker} has spaces {env.observation_space}, {env.action_space}, "
+                    f"but env 0 has {self.obs_space}, {self.act_space}: all envs must share their spaces"
+                )
+        self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
+        self.act_leaves: list[Leaf] = action_leaves(self.act_space)
+        self.flatten_obs = flattener(self.obs_space, "observation")
+        self.single_obs = len(self.obs_leaves) == 1
+        self.env_ids = [cfg.worker * E + i for i in range(E)]
+
+        seeds = self._seeds()
+        self.action_spaces = []
+        for env, seed in zip(self.envs, seeds):
+            space = copy.deepcopy(env.action_space)
+            space.seed(seed)
+            self.action_spaces.append(space)
+        counters = cfg.traj_counters
+        self.traj_k = np.array([counters[g] if counters else 0 for g in self.env_ids], dtype=np.int64)
+        self.cur_traj = self.traj_k * cfg.total_envs + np.asarray(self.env_ids, dtype=np.int64)
+        self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+        self.ep_ret = np.zeros(E, np.float64)
+        self.ep_len = np.zeros(E, np.int64)
+        for i, (env, seed) in enumerate(zip(self.envs, seeds)):
+            obs, _ = env.reset(seed=seed)
+            self._set_obs(i, obs, checked=True)
+
+        if cfg.policy.kind != "random" and local_policy is None:
+            import torch
+
+            # one intra-op thread per worker: workers are the parallelism, not torch's pool
+            torch.set_num_threads(1)
+            if cfg.seed is not None:
+                torch.manual_seed(cfg.seed + cfg.total_envs + cfg.worker)
+        self.random_runner = RandomRunner(self.action_spaces, self.act_leaves)
+        self.runner = build_runner(
+            cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, E, self.action_spaces, local_policy
+        )
+        self.extra_leaves = self.runner.probe(self.cur_obs)
+        self.steps = 0
+        self.batches = 0
+
+    def _seeds(self) -> list[int | None]:
+        cfg = self.cfg
+        if cfg.seed is None:
+            return [None] * len(self.envs)
+        if cfg.static_seed:
+            return [cfg.seed] * len(self.envs)
+        return [cfg.seed + g for g in self.env_ids]
+
+    def spec(self) -> dict[str, Any]:
+        """What the collector needs to lay out the batch (compared across workers)."""
+        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves}
+
+    def _set_obs(self, i: int, obs: Any, checked: bool = False) -> None:
+        if self.single_obs:
+            leaf = self.obs_leaves[0]
+            if checked or getattr(obs, "shape", None) != leaf.shape:
+                obs = check_value(obs, leaf, f"env {self.env_ids[i]}'s observation")
+            self.cur_obs[0][i] = obs
+            return
+        for leaf, buf, value in zip(self.obs_leaves, self.cur_obs, self.flatten_obs(obs)):
+            buf[i] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation")
+
+    def _new_traj(self, i: int) -> None:
+        self.traj_k[i] += 1
+        self.cur_traj[i] = self.traj_k[i] * self.cfg.total_envs + self.env_ids[i]
+        self.ep_ret[i] = 0.0
+        self.ep_len[i] = 0
+
+    def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
+        """Write one batch of ``frames_per_env`` steps into ``views``; yields after each step so
+        the driver can check for a stop request (worker) or let its event loop run (local).
+
+        At the end, :attr:`episodes` lists the episodes that ended in this batch.
+        """
+        cfg = self.cfg
+        envs, E = self.envs, len(self.envs)
+        if cfg.reset_at_each_iter and self.batches > 0:
+            for i, env in enumerate(envs):
+                obs, _ = env.reset()
+                self._new_traj(i)
+                self._set_obs(i, obs)
+        obs_bufs = [views[leaf.key] for leaf in self.obs_leaves]
+        next_bufs = [views[("next",) + leaf.key] for leaf in self.obs_leaves]
+        act_bufs = [views[leaf.key] for leaf in self.act_leaves]
+        extra_bufs = [views[leaf.key] for leaf in self.extra_leaves]
+        rew_buf = views[("next", "reward")]
+        done_buf, term_buf, trunc_buf = views[("next", "done")], views[("next", "terminated")], views[("next", "truncated")]
+        traj_buf = views[("collector", "traj_ids")]
+        views[("collector", "policy_version")][...] = version
+        rewards = np.zeros(E, np.float32)
+        terms = np.zeros(E, bool)
+        truncs = np.zeros(E, bool)
+        cur_obs = self.cur_obs
+        single = self.single_obs
+        leaf0 = self.obs_leaves[0]
+        shape0 = leaf0.shape
+        next0 = next_bufs[0]
+        max_len = cfg.max_frames_per_traj
+        episodes: list[EpisodeEnd] = []
+        ep_ret, ep_len = self.ep_ret, self.ep_len
+        T = views[("collector", "traj_ids")].shape[1]
+        for t in range(T):
+            for buf, cur in zip(obs_bufs, cur_obs):
+                buf[:, t] = cur
+            traj_buf[:, t] = self.cur_traj
+            runner = self.random_runner if self.steps < cfg.random_steps else self.runner
+            env_actions, act_arrays, extras = runner.act(cur_obs)
+            for buf, arr in zip(act_bufs, act_arrays):
+                buf[:, t] = arr
+            if extra_bufs:
+                if extras:
+                    for buf, arr in zip(extra_bufs, extras):
+                        buf[:, t] = arr
+                else:  # random frames: the policy did not run
+                    for buf in extra_bufs:
+                        buf[:, t] = 0
+            for i in range(E):
+                obs, reward, terminated, truncated, _ = envs[i].step(env_actions[i])
+                if single:
+                    if getattr(obs, "shape", None) != shape0:
+                        obs = check_value(obs, leaf0, f"env {self.env_ids[i]}'s observation")
+                    next0[i, t] = obs
+                else:
+                    for leaf, buf, value in zip(self.obs_leaves, next_bufs, self.flatten_obs(obs)):
+                        buf[i, t] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation")
+                rewards[i] = reward
+                ep_ret[i] += reward
+                ep_len[i] += 1
+                if max_len is not None and ep_len[i] >= max_len and not terminated:
+                    truncated = True
+                terms[i] = terminated
+                truncs[i] = truncated
+                if terminated or truncated:
+                    episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), int(ep_len[i]), bool(terminated)))
+                    obs, _ = envs[i].reset()
+                    self._new_traj(i)
+                    self._set_obs(i, obs)
+                elif single:
+                    cur_obs[0][i] = obs
+                else:
+                    self._set_obs(i, obs)
+            rew_buf[:, t, 0] = rewards
+            term_buf[:, t, 0] = terms
+            trunc_buf[:, t, 0] = truncs
+            np.logical_or(terms, truncs, out=done_buf[:, t, 0])
+            self.steps += 1
+            yield
+        self.batches += 1
+        self.episodes = episodes
+
+    def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:
+        for _ in self.fill(views, version):
+            if tick is not None:
+                tick()
+        return self.episodes
+
+    @property
+    def traj_counters(self) -> list[int]:
+        """Per env of this worker: the number of the trajectory it is in now."""
+        return self.traj_k.tolist()
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                pass
+        self.envs = []

@@ -1,0 +1,159 @@
+"""A worker process: steps its envs and writes batches into its shared-memory slots.
+
+Started by the launcher (a fork of our clean template process) or as ``python -m
+aiocollect._worker FD``. It talks to the collector over one Unix socket: small messages only.
+It exits by itself when the collector's process dies (its socket reaches end-of-file, or the
+launcher it was forked from dies, which sends it SIGKILL).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import sys
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+from . import _wire
+
+_TICK = 0.02  # seconds between checks for a stop request while filling a batch
+
+
+class _Stop(Exception):
+    pass
+
+
+def pack_exception(exc: BaseException) -> bytes:
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(exc)
+        cloudpickle.loads(data)
+        return data
+    except Exception:
+        return cloudpickle.dumps(RuntimeError(f"{type(exc).__qualname__}: {exc}"))
+
+
+class Worker:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.credits = 0
+        self.free: deque[int] = deque()
+        self.rollout: Any = None
+        self._next_tick = 0.0
+
+    def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            _wire.send_blocking(self.sock, msg, fds)
+        except OSError:  # the collector is gone
+            raise _Stop from None
+
+    def recv(self) -> tuple[Any, list[int]]:
+        try:
+            got = _wire.recv_blocking(self.sock)
+        except OSError:
+            got = None
+        if got is None:  # end of file: the collector's process is gone or closed us
+            raise _Stop
+        return got
+
+    def handle(self, msg: Any) -> None:
+        op = msg[0]
+        if op == "credit":
+            self.credits += msg[1]
+        elif op == "release":
+            self.free.append(msg[1])
+        elif op == "stop":
+            raise _Stop
+        else:  # pragma: no cover - protocol error
+            raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + _TICK
+        while True:
+            try:
+                peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _Stop from None
+            if not peek:
+                raise _Stop
+            self.handle(self.recv()[0])
+
+    def run(self) -> None:
+        import cloudpickle
+
+        from ._rollout import Rollout
+
+        self.send(("hello", os.getpid()))
+        msg, _ = self.recv()
+        cfg = cloudpickle.loads(msg[1])
+        self.rollout = rollout = Rollout(cfg)
+        self.send(("spec", rollout.spec()))
+        msg, fds = self.recv()
+        layout = msg[1]
+        try:
+            mm = mmap.mmap(fds[0], layout.nbytes)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        views = [layout.views(mm, s) for s in range(layout.num_slots)]
+        self.free.extend(range(layout.num_slots))
+        batch = cfg.start_batch
+        while True:
+            while not (self.credits > 0 and self.free):
+                self.handle(self.recv()[0])
+            slot = self.free.popleft()
+            self.credits -= 1
+            episodes = rollout.run_batch(views[slot], 0, self.tick)
+            self.send((
+                "ready",
+                slot,
+                batch,
+                {
+                    "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in episodes],
+                    "traj_counters": rollout.traj_counters,
+                    "steps": rollout.steps,
+                },
+            ))
+            batch += 1
+
+
+def serve(fd: int) -> None:
+    """Run a worker on the socket ``fd``; never returns."""
+    code = 0
+    worker = None
+    try:
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(True)
+        worker = Worker(sock)
+        try:
+            worker.run()
+        except _Stop:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - everything is reported to the collector
+            code = 1
+            tb = traceback.format_exc()
+            try:
+                worker.send(("error", pack_exception(exc), tb))
+            except BaseException:  # noqa: BLE001
+                sys.stderr.write(tb)
+    finally:
+        try:
+            if worker is not None and worker.rollout is not None:
+                worker.rollout.close()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover - spawned-interpreter mode
+    serve(int(sys.argv[1]))

@@ -1,0 +1,775 @@
+"""Throughput benchmark: aiocollect against an upper bound and hand-written gymnasium loops.
+
+What is measured (CartPole-v1, a 4-64-2 MLP policy acting by argmax of its logits, the same weights
+everywhere via ``torch.manual_seed``; defaults: 2 workers x 8 envs, 2048 frames per batch):
+
+* **limit** -- ``--workers`` independent processes (multiprocessing "spawn", started together), each
+  stepping ``--envs-per-worker`` gymnasium envs in a plain loop: one batched policy forward under
+  ``torch.no_grad`` with ``torch.set_num_threads(1)``, then ``env.step`` per env, reset on
+  terminated/truncated. No communication, no storage. Each process bumps a shared frame counter; the
+  parent reads the counters at the start and the end of one common wall-clock window after a warm-up,
+  so fps is the sum over the processes. Every other setup is reported as a ratio to this.
+* **gymnasium SyncVectorEnv loop** -- one process, ``SyncVectorEnv`` of workers x envs_per_worker envs,
+  storing observation/action/reward/terminated/truncated of each step into preallocated torch tensors
+  ``[num_envs, T]`` of one batch (T = frames_per_batch / num_envs).
+* **gymnasium AsyncVectorEnv** (``shared_memory=True``) -- the same loop; gymnasium runs one process
+  per env, so this is num_envs processes, not ``--workers``.
+* **TorchRL MultiSyncDataCollector** -- only if ``torchrl`` imports: ``--workers`` workers, each a
+  ``SerialEnv`` of ``--envs-per-worker`` ``GymEnv``s.
+* **aiocollect**, ``delivery="sync"`` and ``delivery="async"``: ``async for batch in collector`` under
+  anyio + uvloop, counting ``batch.numel()`` frames.
+
+Batch-based setups discard the first batches (at least 2 and at least ``--warmup`` seconds after the
+first one), then count frames for ``--seconds``: fps = frames / time between the end of the warm-up and
+the batch that closes the window.
+
+Also measured:
+
+* **event-loop lag** while aiocollect collects: a ticker task does ``await anyio.sleep(0.001)`` in a loop
+  and records ``actual_elapsed - 0.001``; p50/p99/max over the measured window (the ticker runs during
+  both aiocollect measurements, so their fps include its small cost). The same ticker on the idle loop
+  just before the collector starts is printed for reference (uvloop timers have 1 ms resolution).
+* **time to first batch**, in a fresh subprocess (nothing pre-imported or pre-started): from just before
+  ``Collector(...)`` (after ``import torch, aiocollect`` and building the policy) to the first batch; then,
+  in that same process, a second collector constructed after the first one is closed.
+
+Run (the default run takes about a minute; the machine's noise matters, read ratios, not absolutes)::
+
+    bash scripts/run.sh bench [--seconds 4] [--json benchmarks/results/throughput.json]
+    .venv/bin/python benchmarks/throughput.py --help
+
+Every process the benchmark starts is stopped before it exits (also on Ctrl-C or an error); a section
+that leaves processes behind is reported with a warning and they are terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+ENV_ID = "CartPole-v1"
+SEED = 0
+OBS_DIM = 4
+TICK_S = 0.001
+TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
+# Long-lived helper processes of multiprocessing itself; they exit with the interpreter, so the
+# leftover check walks through them (to their children) but does not count them.
+_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+class ArgmaxMLP(nn.Module):
+    """The benchmark policy: float32 observations [B, 4] -> int64 actions [B] (argmax of the logits).
+
+    Defined in the script on purpose: aiocollect cloudpickles it by value to its worker processes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
+
+
+def make_policy() -> ArgmaxMLP:
+    """The one policy every setup uses: same seed, same weights."""
+    torch.manual_seed(SEED)
+    return ArgmaxMLP()
+
+
+# --------------------------------------------------------------------------------------------------
+# results and measurement helpers
+
+
+@dataclass
+class Result:
+    """One measured setup."""
+
+    name: str
+    fps: float | None = None
+    frames: int = 0
+    seconds: float = 0.0
+    startup_s: float | None = None  # section start -> first batch (batch-based setups)
+    note: str = ""  # why there is no figure (skipped, failed, not installed)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Meter:
+    """Warm-up then a fixed measuring window, fed with one call per batch received."""
+
+    def __init__(self, seconds: float, warmup_s: float, warmup_batches: int = 2) -> None:
+        self.seconds = seconds
+        self.warmup_s = warmup_s
+        self.warmup_batches = warmup_batches
+        self.t_section = time.perf_counter()
+        self.t_first: float | None = None
+        self.t0: float | None = None  # start of the measuring window
+        self.t1: float | None = None  # end of the measuring window
+        self.warm_batches = 0
+        self.frames = 0
+
+    def add(self, frames: int) -> bool:
+        """Account for one batch just received; True once the measuring window is over."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        if self.t0 is None:
+            self.warm_batches += 1
+            if self.warm_batches >= self.warmup_batches and now - self.t_first >= self.warmup_s:
+                self.t0 = now
+            return False
+        self.frames += frames
+        if now - self.t0 >= self.seconds:
+            self.t1 = now
+            return True
+        return False
+
+    def result(self, name: str) -> Result:
+        if self.t0 is None or self.t1 is None:
+            raise RuntimeError(f"{name}: the measuring window never closed")
+        elapsed = self.t1 - self.t0
+        startup = None if self.t_first is None else self.t_first - self.t_section
+        return Result(name, self.frames / elapsed, self.frames, elapsed, startup)
+
+
+def percentiles_ms(samples: list[float]) -> dict[str, float]:
+    """p50/p99/max (and the sample count) of lag samples given in seconds."""
+    if not samples:
+        return {"p50": math.nan, "p99": math.nan, "max": math.nan, "n": 0}
+    arr = np.asarray(samples) * 1e3
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
+        "n": int(arr.size),
+    }
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# process hygiene: find (and stop) whatever a section left running
+
+
+@dataclass
+class _Proc:
+    pid: int
+    ppid: int
+    session: int
+    cmdline: str
+
+
+def _processes() -> dict[int, _Proc]:
+    """All live (non-zombie) processes, from /proc (Linux); empty elsewhere."""
+    procs: dict[int, _Proc] = {}
+    if not os.path.isdir("/proc"):
+        return procs
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
+        if fields[0] in ("Z", "X"):
+            continue
+        procs[int(entry)] = _Proc(int(entry), int(fields[1]), int(fields[4]), cmdline)
+    return procs
+
+
+def _leftovers(sessions: tuple[int, ...] = ()) -> list[_Proc]:
+    """Descendants of this process (through multiprocessing's helpers, which are not counted) and
+    members of the given sessions (subprocesses started with start_new_session=True)."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    found: dict[int, _Proc] = {}
+    stack = list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        proc = procs[pid]
+        if not any(h in proc.cmdline for h in _MP_HELPERS):
+            found[pid] = proc
+        stack.extend(children.get(pid, []))
+    for p in procs.values():
+        if p.session in sessions and p.pid != os.getpid():
+            found[p.pid] = p
+    return list(found.values())
+
+
+def reap(stage: str, sessions: tuple[int, ...] = (), grace_s: float = 3.0) -> list[str]:
+    """Wait up to grace_s for a section's processes to go; terminate (then kill) those still there.
+
+    Returns their descriptions (empty when the section cleaned up after itself).
+    """
+    deadline = time.monotonic() + grace_s
+    left = _leftovers(sessions)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _leftovers(sessions)
+    if not left:
+        return []
+    described = [f"{p.pid} {p.cmdline[:100]}" for p in left]
+    log(f"  WARNING: {len(left)} process(es) still running after {stage}; terminating them:")
+    for d in described:
+        log(f"    {d}")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            alive = {q.pid for q in _leftovers(sessions)}
+            left = [p for p in left if p.pid in alive]
+            if not left:
+                break
+            time.sleep(0.05)
+        if not left:
+            break
+    for child in mp.active_children():  # reaps zombies of multiprocessing children
+        child.join(0)
+    return described
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. the limit: independent processes, no communication, no storage
+
+
+@contextlib.contextmanager
+def _child_signals() -> Iterator[None]:
+    """While starting worker processes: SIGINT ignored, SIGTERM default.
+
+    Forked and spawned children inherit that (a fork also inherits Python-level handlers), so Ctrl-C
+    reaches only this process, which then stops them, and their SIGTERM just ends them.
+    """
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _limit_worker(
+    rank: int,
+    num_envs: int,
+    state_dict: dict[str, torch.Tensor],
+    counter: Synchronized,  # RawValue("q"): frames stepped so far, written only by this process
+    ready: Any,  # multiprocessing Event
+    go: Any,
+    stop: Any,
+) -> None:
+    torch.set_num_threads(1)
+    policy = ArgmaxMLP()
+    policy.load_state_dict(state_dict)
+    envs = [gym.make(ENV_ID) for _ in range(num_envs)]
+    obs = [env.reset(seed=SEED + rank * num_envs + i)[0] for i, env in enumerate(envs)]
+    ready.set()
+    go.wait()
+    try:
+        with torch.no_grad():
+            while not stop.is_set():
+                actions = policy(torch.from_numpy(np.stack(obs))).tolist()
+                for i, env in enumerate(envs):
+                    o, _, terminated, truncated, _ = env.step(actions[i])
+                    if terminated or truncated:
+                        o, _ = env.reset()
+                    obs[i] = o
+                counter.value += num_envs
+    finally:
+        for env in envs:
+            env.close()
+
+
+def run_limit(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
+    ctx = mp.get_context("spawn")
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    counters = [ctx.RawValue("q", 0) for _ in range(args.workers)]
+    readies = [ctx.Event() for _ in range(args.workers)]
+    go, stop = ctx.Event(), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_limit_worker,
+            args=(rank, args.envs_per_worker, state, counters[rank], readies[rank], go, stop),
+            name=f"limit-{rank}",
+            daemon=True,
+        )
+        for rank in range(args.workers)
+    ]
+    try:
+        with _child_signals():
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + 120.0
+        for p, ready in zip(procs, readies):
+            while not ready.wait(0.1):
+                if not p.is_alive():
+                    raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{p.name} not ready after 120 s")
+        go.set()
+        time.sleep(args.warmup)
+        c0, t0 = [c.value for c in counters], time.perf_counter()
+        time.sleep(args.seconds)
+        c1, t1 = [c.value for c in counters], time.perf_counter()
+        for p in procs:
+            if not p.is_alive():
+                raise RuntimeError(f"{p.name} died during the measurement (exit code {p.exitcode})")
+    finally:
+        stop.set()
+        go.set()  # in case we failed before the start
+        for p in procs:
+            if p.pid is not None:
+                p.join(5.0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    frames = sum(c1) - sum(c0)
+    per_proc = [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
+    name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
+    return Result(name, frames / (t1 - t0), frames, t1 - t0, extra={"fps_per_process": per_proc})
+
+
+# --------------------------------------------------------------------------------------------------
+# 2-3. gymnasium vector envs with a hand-written collection loop
+
+
+def _vector_loop(envs: gym.vector.VectorEnv, policy: ArgmaxMLP, args: argparse.Namespace, meter: Meter) -> None:
+    """Collect batches of [num_envs, T] steps into freshly allocated tensors until the meter is done."""
+    n = envs.num_envs
+    steps = args.frames_per_batch // n
+    obs, _ = envs.reset(seed=SEED)
+    with torch.no_grad():
+        while True:
+            batch = {
+                "observation": torch.empty(n, steps, OBS_DIM),
+                "action": torch.empty(n, steps, dtype=torch.int64),
+                "reward": torch.empty(n, steps),
+                "terminated": torch.empty(n, steps, dtype=torch.bool),
+                "truncated": torch.empty(n, steps, dtype=torch.bool),
+            }
+            for t in range(steps):
+                o = torch.from_numpy(obs)
+                action = policy(o)
+                batch["observation"][:, t] = o
+                batch["action"][:, t] = action
+                obs, reward, terminated, truncated, _ = envs.step(action.numpy())
+                batch["reward"][:, t] = torch.from_numpy(reward)
+                batch["terminated"][:, t] = torch.from_numpy(terminated)
+                batch["truncated"][:, t] = torch.from_numpy(truncated)
+            if meter.add(n * steps):
+                return
+
+
+def run_sync_vector(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
+    n = args.workers * args.envs_per_worker
+    meter = Meter(args.seconds, args.warmup)
+    # copy=False: the loop copies each observation into the batch before the next step.
+    envs = gym.vector.SyncVectorEnv([functools.partial(gym.make, ENV_ID)] * n, copy=False)
+    try:
+        _vector_loop(envs, policy, args, meter)
+    finally:
+        envs.close()
+    return meter.result(f"SyncVectorEnv x{n} loop")
+
+
+def run_async_vector(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
+    n = args.workers * args.envs_per_worker
+    meter = Meter(args.seconds, args.warmup)
+    with _child_signals():
+        envs = gym.vector.AsyncVectorEnv([functools.partial(gym.make, ENV_ID)] * n, shared_memory=True, copy=False)
+    clean = False
+    try:
+        _vector_loop(envs, policy, args, meter)
+        clean = True
+    finally:
+        envs.close(terminate=not clean)
+    return meter.result(f"AsyncVectorEnv x{n} ({n} procs, shm)")
+
+
+# --------------------------------------------------------------------------------------------------
+# optional: TorchRL
+
+
+def _torchrl_env(envs_per_worker: int) -> Any:
+    from torchrl.envs import GymEnv, SerialEnv
+
+    return SerialEnv(envs_per_worker, functools.partial(GymEnv, ENV_ID, categorical_action_encoding=True))
+
+
+def run_torchrl(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
+    name = "TorchRL MultiSyncDataCollector"
+    try:
+        from tensordict.nn import TensorDictModule
+        from torchrl.collectors import MultiSyncDataCollector
+    except ModuleNotFoundError as exc:
+        if exc.name == "torchrl":
+            return Result(name, note="torchrl not installed")
+        return Result(name, note=f"torchrl does not import: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. a torchrl built for another tensordict
+        return Result(name, note=f"torchrl does not import: {type(exc).__name__}: {exc}")
+    meter = Meter(args.seconds, args.warmup)
+    collector = MultiSyncDataCollector(
+        [functools.partial(_torchrl_env, args.envs_per_worker)] * args.workers,
+        TensorDictModule(policy, in_keys=["observation"], out_keys=["action"]),
+        frames_per_batch=args.frames_per_batch,
+        total_frames=-1,
+    )
+    try:
+        for batch in collector:
+            if meter.add(batch.numel()):
+                break
+    finally:
+        collector.shutdown()
+    return meter.result(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. aiocollect
+
+
+def _import_aiocollect() -> tuple[Any, str]:
+    """(Collector, "") or (None, why not)."""
+    try:
+        from aiocollect import Collector
+    except Exception as exc:  # noqa: BLE001 - reported, the rest of the benchmark still runs
+        return None, f"aiocollect does not import: {type(exc).__name__}: {exc}"
+    return Collector, ""
+
+
+async def _ticker(samples: list[tuple[float, float]]) -> None:
+    """Sleep TICK_S forever, recording (wake-up time, lateness) of every tick."""
+    import anyio
+
+    while True:
+        t = time.perf_counter()
+        await anyio.sleep(TICK_S)
+        now = time.perf_counter()
+        samples.append((now, now - t - TICK_S))
+
+
+async def _idle_lag(seconds: float) -> list[float]:
+    import anyio
+
+    samples: list[tuple[float, float]] = []
+    with anyio.move_on_after(seconds):
+        await _ticker(samples)
+    return [lag for _, lag in samples]
+
+
+async def _collect_aiocollect(
+    collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace, delivery: str, meter: Meter
+) -> tuple[list[float], list[float]]:
+    """Measure one aiocollect run; returns (idle lag samples, lag samples in the measuring window)."""
+    import anyio
+
+    idle = await _idle_lag(0.5)
+    samples: list[tuple[float, float]] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_ticker, samples)
+        meter.t_section = time.perf_counter()
+        async with collector_cls(
+            ENV_ID,
+            policy,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=-1,
+            num_workers=args.workers,
+            envs_per_worker=args.envs_per_worker,
+            delivery=delivery,
+        ) as collector:
+            async for batch in collector:
+                if meter.add(batch.numel()):
+                    break
+        tg.cancel_scope.cancel()
+    assert meter.t0 is not None and meter.t1 is not None
+    window = [lag for t, lag in samples if meter.t0 <= t <= meter.t1]
+    return idle, window
+
+
+def run_aiocollect(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any, delivery: str) -> Result:
+    import anyio
+
+    meter = Meter(args.seconds, args.warmup)
+    idle, window = anyio.run(
+        _collect_aiocollect, collector_cls, policy, args, delivery, meter, backend_options={"use_uvloop": True}
+    )
+    result = meter.result(f"aiocollect {delivery}")
+    result.extra = {"loop_lag_ms": percentiles_ms(window), "idle_loop_lag_ms": percentiles_ms(idle)}
+    return result
+
+
+# time to first batch: the child side runs in a fresh interpreter (this file with --_ttfb-child)
+
+
+async def _ttfb_child_main(collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in ("first_s", "second_s"):
+        t0 = time.perf_counter()
+        async with collector_cls(
+            ENV_ID,
+            policy,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=-1,
+            num_workers=args.workers,
+            envs_per_worker=args.envs_per_worker,
+            delivery="sync",
+        ) as collector:
+            async for _ in collector:
+                out[key] = time.perf_counter() - t0
+                break
+        out[key.replace("_s", "_close_s")] = time.perf_counter() - t0 - out[key]
+    return out
+
+
+def ttfb_child(args: argparse.Namespace) -> None:
+    """Entry point of the fresh subprocess: prints one marked JSON line on stdout."""
+    t_import = time.perf_counter()
+    import anyio
+
+    collector_cls, why = _import_aiocollect()
+    if collector_cls is None:
+        raise SystemExit(why)
+    import_s = time.perf_counter() - t_import
+    policy = make_policy()
+    out = anyio.run(_ttfb_child_main, collector_cls, policy, args, backend_options={"use_uvloop": True})
+    out["aiocollect_import_s"] = import_s
+    print(TTFB_MARKER + json.dumps(out), flush=True)
+
+
+def run_ttfb(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
+    """Run the time-to-first-batch measurement in a fresh interpreter; (figures, leftover processes)."""
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_ttfb-child",
+        "--workers", str(args.workers),
+        "--envs-per-worker", str(args.envs_per_worker),
+        "--frames-per-batch", str(args.frames_per_batch),
+    ]  # fmt: skip
+    # Its own session: Ctrl-C here does not reach it directly, and whatever it leaves behind (even
+    # after it exits) can be found by session id and stopped.
+    t_spawn = time.perf_counter()
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, _ = child.communicate(timeout=180)
+    finally:
+        if child.poll() is None:
+            for sig, wait in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(wait)
+                    break
+        left = reap("the time-to-first-batch subprocess", sessions=(child.pid,))
+    wall = time.perf_counter() - t_spawn
+    if child.returncode != 0:
+        raise RuntimeError(f"time-to-first-batch subprocess exited with code {child.returncode}")
+    lines = [line for line in stdout.splitlines() if line.startswith(TTFB_MARKER)]
+    if not lines:
+        raise RuntimeError("time-to-first-batch subprocess printed no result")
+    out: dict[str, float] = json.loads(lines[-1][len(TTFB_MARKER) :])
+    out["subprocess_wall_s"] = wall
+    return out, left
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+
+
+def _fmt_lag(lag: dict[str, float]) -> str:
+    return f"p50 {lag['p50']:.2f} ms, p99 {lag['p99']:.2f} ms, max {lag['max']:.2f} ms"
+
+
+def _stage_result(r: Result) -> str:
+    if r.fps is None:
+        return f"  -> {r.note}"
+    start = "" if r.startup_s is None else f", first batch after {r.startup_s:.2f} s"
+    return f"  -> {r.fps:,.0f} frames/s ({r.frames:,} frames in {r.seconds:.2f} s{start})"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=4.0, help="measuring window of each setup (default 4)")
+    p.add_argument("--warmup", type=float, default=0.5, help="warm-up discarded before each window (default 0.5 s; batch-based setups also discard at least 2 batches)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker (default 8)")
+    p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--skip-baselines", action="store_true", help="skip the gymnasium and TorchRL setups (the limit still runs)")
+    p.add_argument("--skip-aiocollect", action="store_true", help="skip aiocollect (throughput, loop lag, time to first batch)")
+    p.add_argument("--_ttfb-child", action="store_true", dest="ttfb_child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    n = args.workers * args.envs_per_worker
+    if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % n:
+        p.error(f"--frames-per-batch ({args.frames_per_batch}) must be a multiple of workers x envs-per-worker ({n})")
+    return args
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Let SIGTERM unwind like Ctrl-C so every section's clean-up runs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)  # same as the limit's processes; the policy is far too small for threads
+    policy = make_policy()
+    collector_cls, aiocollect_missing = (None, "skipped (--skip-aiocollect)")
+    if not args.skip_aiocollect:
+        collector_cls, aiocollect_missing = _import_aiocollect()
+
+    n = args.workers * args.envs_per_worker
+    log(
+        f"aiocollect throughput benchmark: {ENV_ID}, ArgmaxMLP 4-64-2, {args.workers} workers x "
+        f"{args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, {args.seconds:g} s per setup "
+        f"after {args.warmup:g} s warm-up"
+    )
+    log(
+        f"machine: {os.cpu_count()} cores (os.cpu_count()), Python {platform.python_version()}, torch "
+        f"{torch.__version__}, gymnasium {gym.__version__}, {platform.platform()}"
+    )
+
+    stages: list[tuple[str, Callable[[], Result]]] = [
+        (f"limit: {args.workers} independent processes x {args.envs_per_worker} envs", lambda: run_limit(args, policy)),
+    ]
+    if not args.skip_baselines:
+        stages += [
+            (f"gymnasium SyncVectorEnv x{n}, hand-written loop", lambda: run_sync_vector(args, policy)),
+            (f"gymnasium AsyncVectorEnv x{n} (shared_memory=True, {n} processes)", lambda: run_async_vector(args, policy)),
+            ("TorchRL MultiSyncDataCollector", lambda: run_torchrl(args, policy)),
+        ]
+    if collector_cls is not None:
+        for delivery in ("sync", "async"):
+            stages.append(
+                (f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
+                 functools.partial(run_aiocollect, args, policy, collector_cls, delivery))
+            )  # fmt: skip
+
+    results: list[Result] = []
+    leftovers: dict[str, list[str]] = {}
+    ttfb: dict[str, float] | None = None
+    total = len(stages) + (collector_cls is not None)
+    for i, (title, fn) in enumerate(stages, 1):
+        log(f"[{i}/{total}] {title} ...")
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
+            name = title.split(":")[0] if title.startswith("limit") else title
+            result = Result(name, note=f"FAILED: {type(exc).__name__}: {exc}")
+        finally:
+            left = reap(title)
+            if left:
+                leftovers[title] = left
+        log(_stage_result(result))
+        if "loop_lag_ms" in result.extra:
+            log(f"     event-loop lag: {_fmt_lag(result.extra['loop_lag_ms'])} (idle loop: {_fmt_lag(result.extra['idle_loop_lag_ms'])})")
+        results.append(result)
+    if collector_cls is not None:
+        log(f"[{total}/{total}] aiocollect time to first batch, fresh subprocess ...")
+        try:
+            ttfb, left = run_ttfb(args)
+            if left:
+                leftovers["time to first batch"] = left
+            log(f"  -> first collector {ttfb['first_s']:.2f} s, second {ttfb['second_s']:.2f} s")
+        except Exception as exc:  # noqa: BLE001
+            log(f"  -> FAILED: {type(exc).__name__}: {exc}")
+
+    # ---- summary
+    limit = results[0].fps
+    log("")
+    log(f"{'setup':<36} {'frames/s':>10}   ratio to limit")
+    for r in results:
+        if r.fps is None:
+            log(f"{r.name:<36} {r.note}")
+            continue
+        ratio = f"{r.fps / limit:.2f}" if limit else "n/a"
+        log(f"{r.name:<36} {r.fps:>10,.0f}   {ratio:>6}")
+    if collector_cls is None:
+        log(f"{'aiocollect':<36} {aiocollect_missing}")
+    sync = next((r for r in results if r.name == "aiocollect sync" and r.fps is not None), None)
+    if sync is not None:
+        log(f"event-loop lag while collecting: {_fmt_lag(sync.extra['loop_lag_ms'])}")
+        log(f"  (idle loop, same ticker: {_fmt_lag(sync.extra['idle_loop_lag_ms'])})")
+    if ttfb is not None:
+        log(
+            f"time to first batch: {ttfb['first_s']:.2f} s (fresh process); second collector: {ttfb['second_s']:.2f} s"
+            f"  (import aiocollect: {ttfb['aiocollect_import_s']:.2f} s)"
+        )
+    if leftovers:
+        log(f"WARNING: processes were left running after: {', '.join(leftovers)} (terminated)")
+
+    if args.json:
+        payload = {
+            "benchmark": "throughput",
+            "env": ENV_ID,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gymnasium": gym.__version__,
+            "platform": platform.platform(),
+            "args": {k: v for k, v in vars(args).items() if k != "ttfb_child"},
+            "limit_fps": limit,
+            "results": [{**asdict(r), "ratio_to_limit": (r.fps / limit if r.fps and limit else None)} for r in results],
+            "aiocollect": aiocollect_missing or "measured",
+            "time_to_first_batch": ttfb,
+            "leftover_processes": leftovers,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+        log(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    if _args.ttfb_child:
+        ttfb_child(_args)
+        sys.exit(0)
+    with _sigterm_as_interrupt():
+        try:
+            sys.exit(main(_args))
+        except KeyboardInterrupt:
+            log("interrupted; stopping everything this benchmark started")
+            reap("the interruption", grace_s=1.0)
+            sys.exit(130)
