@@ -578,7 +578,8 @@ class Collector:
                 flat[leaf.key] = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
             E = layout.num_envs * len(views)
             T = layout.frames_per_env
-            for name in ("done", "terminated", "truncated"):
+            flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
+            for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
             return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
 

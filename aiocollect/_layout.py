@@ -171,12 +171,12 @@ def check_value(value: Any, leaf: Leaf, what: str) -> np.ndarray:
 
 
 def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[Leaf]:
-    """Every leaf a worker writes into a slot, in a fixed order."""
+    """Every leaf a worker writes into a slot, in a fixed order. (``("next", "done")`` is not
+    stored: the collector computes it once per batch from terminated and truncated.)"""
     leaves = list(obs) + list(act) + list(extras)
     leaves += [Leaf(("next",) + leaf.key, leaf.shape, leaf.dtype) for leaf in obs]
     leaves += [
         Leaf(("next", "reward"), (1,), "float32"),
-        Leaf(("next", "done"), (1,), "bool"),
         Leaf(("next", "terminated"), (1,), "bool"),
         Leaf(("next", "truncated"), (1,), "bool"),
         Leaf(("collector", "traj_ids"), (), "int64"),

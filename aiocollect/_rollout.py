@@ -101,8 +101,8 @@ class Rollout:
         self.traj_k = np.array([counters[g] if counters else 0 for g in self.env_ids], dtype=np.int64)
         self.cur_traj = self.traj_k * cfg.total_envs + np.asarray(self.env_ids, dtype=np.int64)
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
-        self.ep_ret = np.zeros(E, np.float64)
-        self.ep_len = np.zeros(E, np.int64)
+        self.ep_ret = [0.0] * E
+        self.ep_len = [0] * E
         for i, (env, seed) in enumerate(zip(self.envs, seeds)):
             obs, _ = env.reset(seed=seed)
             self._set_obs(i, obs, checked=True)
@@ -168,12 +168,12 @@ class Rollout:
         act_bufs = [views[leaf.key] for leaf in self.act_leaves]
         extra_bufs = [views[leaf.key] for leaf in self.extra_leaves]
         rew_buf = views[("next", "reward")]
-        done_buf, term_buf, trunc_buf = views[("next", "done")], views[("next", "terminated")], views[("next", "truncated")]
+        term_buf, trunc_buf = views[("next", "terminated")], views[("next", "truncated")]
         traj_buf = views[("collector", "traj_ids")]
         views[("collector", "policy_version")][...] = version
-        rewards = np.zeros(E, np.float32)
-        terms = np.zeros(E, bool)
-        truncs = np.zeros(E, bool)
+        rewards = [0.0] * E
+        terms = [False] * E
+        truncs = [False] * E
         cur_obs = self.cur_obs
         single = self.single_obs
         leaf0 = self.obs_leaves[0]
@@ -215,7 +215,7 @@ class Rollout:
                 terms[i] = terminated
                 truncs[i] = truncated
                 if terminated or truncated:
-                    episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), int(ep_len[i]), bool(terminated)))
+                    episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
                     obs, _ = envs[i].reset()
                     self._new_traj(i)
                     self._set_obs(i, obs)
@@ -226,7 +226,6 @@ class Rollout:
             rew_buf[:, t, 0] = rewards
             term_buf[:, t, 0] = terms
             trunc_buf[:, t, 0] = truncs
-            np.logical_or(terms, truncs, out=done_buf[:, t, 0])
             self.steps += 1
             yield
         self.batches += 1

@@ -170,7 +170,7 @@ class ProcessWorker(WorkerHandle):
             msg = await self.recv()
             if msg[0] == "ready":
                 self.ready.append((msg[1], msg[2], msg[3]))
-                on_ready()
+                on_ready(self)
             elif msg[0] == "error":
                 raise self.error_from(msg)
 
@@ -349,7 +349,7 @@ class LocalWorker(WorkerHandle):
             }
             self.ready.append((slot, batch, info))
             batch += 1
-            on_ready()
+            on_ready(self)
 
     async def stop(self, timeout: float) -> None:
         self.stop_nowait()

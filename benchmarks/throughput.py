@@ -71,9 +71,10 @@ SEED = 0
 OBS_DIM = 4
 TICK_S = 0.001
 TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
-# Long-lived helper processes of multiprocessing itself; they exit with the interpreter, so the
-# leftover check walks through them (to their children) but does not count them.
-_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Long-lived helper processes that exit with the interpreter (aiocollect's launcher, the template its
+# workers are forked from, is kept until shutdown_launcher()): the leftover check walks through them
+# to their children but does not count them.
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "aiocollect._launcher")
 
 
 class ArgmaxMLP(nn.Module):
@@ -214,7 +215,7 @@ def _leftovers(sessions: tuple[int, ...] = ()) -> list[_Proc]:
     while stack:
         pid = stack.pop()
         proc = procs[pid]
-        if not any(h in proc.cmdline for h in _MP_HELPERS):
+        if not any(h in proc.cmdline for h in _HELPERS):
             found[pid] = proc
         stack.extend(children.get(pid, []))
     for p in procs.values():
@@ -641,6 +642,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     """Let SIGTERM unwind like Ctrl-C so every section's clean-up runs."""
 
     def handler(signum: int, frame: Any) -> None:
+        log("SIGTERM received")
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -650,8 +652,32 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _shutdown_aiocollect_launcher() -> None:
+    """Stop aiocollect's launcher (kept alive between collectors on purpose), if aiocollect was used."""
+    if "aiocollect" in sys.modules:
+        with contextlib.suppress(Exception):
+            from aiocollect import shutdown_launcher
+
+            shutdown_launcher()
+
+
+def _combine_limits(name: str, runs: list[Result]) -> Result:
+    """The limit the ratios use: the mean of its runs at the start and the end of the benchmark."""
+    ok = [r for r in runs if r.fps is not None]
+    if not ok:
+        return Result(name, note=runs[0].note if runs else "not measured")
+    fps = [r.fps for r in ok if r.fps is not None]
+    return Result(
+        name,
+        sum(fps) / len(fps),
+        sum(r.frames for r in ok),
+        sum(r.seconds for r in ok),
+        extra={"runs_fps": fps, "fps_per_process": [r.extra.get("fps_per_process") for r in ok]},
+    )
+
+
 def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)  # same as the limit's processes; the policy is far too small for threads
+    torch.set_num_threads(1)  # as in the limit's processes; the policy is far too small for threads
     policy = make_policy()
     collector_cls, aiocollect_missing = (None, "skipped (--skip-aiocollect)")
     if not args.skip_aiocollect:
@@ -668,41 +694,52 @@ def main(args: argparse.Namespace) -> int:
         f"{torch.__version__}, gymnasium {gym.__version__}, {platform.platform()}"
     )
 
-    stages: list[tuple[str, Callable[[], Result]]] = [
-        (f"limit: {args.workers} independent processes x {args.envs_per_worker} envs", lambda: run_limit(args, policy)),
+    limit_name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
+    limit_title = f"limit: {args.workers} independent processes x {args.envs_per_worker} envs"
+    # (key, progress title, callable); "limit" runs first and last, its mean is the reference.
+    stages: list[tuple[str, str, Callable[[], Result]]] = [
+        ("limit", limit_title, lambda: run_limit(args, policy))
     ]
     if not args.skip_baselines:
         stages += [
-            (f"gymnasium SyncVectorEnv x{n}, hand-written loop", lambda: run_sync_vector(args, policy)),
-            (f"gymnasium AsyncVectorEnv x{n} (shared_memory=True, {n} processes)", lambda: run_async_vector(args, policy)),
-            ("TorchRL MultiSyncDataCollector", lambda: run_torchrl(args, policy)),
-        ]
+            ("sync_vector", f"gymnasium SyncVectorEnv x{n}, hand-written loop", lambda: run_sync_vector(args, policy)),
+            ("async_vector", f"gymnasium AsyncVectorEnv x{n} (shared_memory=True, {n} processes)",
+             lambda: run_async_vector(args, policy)),
+            ("torchrl", "TorchRL MultiSyncDataCollector", lambda: run_torchrl(args, policy)),
+        ]  # fmt: skip
     if collector_cls is not None:
         for delivery in ("sync", "async"):
             stages.append(
-                (f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
+                (f"aiocollect_{delivery}", f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
                  functools.partial(run_aiocollect, args, policy, collector_cls, delivery))
             )  # fmt: skip
+    stages.append(("limit", f"{limit_title}, again (did the machine's load change?)", lambda: run_limit(args, policy)))
 
-    results: list[Result] = []
+    limit_runs: list[Result] = []
+    results: dict[str, Result] = {}
     leftovers: dict[str, list[str]] = {}
     ttfb: dict[str, float] | None = None
     total = len(stages) + (collector_cls is not None)
-    for i, (title, fn) in enumerate(stages, 1):
+    for i, (key, title, fn) in enumerate(stages, 1):
         log(f"[{i}/{total}] {title} ...")
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
-            name = title.split(":")[0] if title.startswith("limit") else title
-            result = Result(name, note=f"FAILED: {type(exc).__name__}: {exc}")
+            result = Result(limit_name if key == "limit" else title, note=f"FAILED: {type(exc).__name__}: {exc}")
         finally:
+            if key.startswith("aiocollect") and key.endswith("async"):
+                _shutdown_aiocollect_launcher()
             left = reap(title)
             if left:
                 leftovers[title] = left
         log(_stage_result(result))
         if "loop_lag_ms" in result.extra:
-            log(f"     event-loop lag: {_fmt_lag(result.extra['loop_lag_ms'])} (idle loop: {_fmt_lag(result.extra['idle_loop_lag_ms'])})")
-        results.append(result)
+            log(f"     event-loop lag: {_fmt_lag(result.extra['loop_lag_ms'])}"
+                f" (idle loop before it: {_fmt_lag(result.extra['idle_loop_lag_ms'])})")  # fmt: skip
+        if key == "limit":
+            limit_runs.append(result)
+        else:
+            results[key] = result
     if collector_cls is not None:
         log(f"[{total}/{total}] aiocollect time to first batch, fresh subprocess ...")
         try:
@@ -714,10 +751,12 @@ def main(args: argparse.Namespace) -> int:
             log(f"  -> FAILED: {type(exc).__name__}: {exc}")
 
     # ---- summary
-    limit = results[0].fps
+    limit_result = _combine_limits(limit_name, limit_runs)
+    limit = limit_result.fps
+    rows = [limit_result, *results.values()]
     log("")
     log(f"{'setup':<36} {'frames/s':>10}   ratio to limit")
-    for r in results:
+    for r in rows:
         if r.fps is None:
             log(f"{r.name:<36} {r.note}")
             continue
@@ -725,17 +764,24 @@ def main(args: argparse.Namespace) -> int:
         log(f"{r.name:<36} {r.fps:>10,.0f}   {ratio:>6}")
     if collector_cls is None:
         log(f"{'aiocollect':<36} {aiocollect_missing}")
-    sync = next((r for r in results if r.name == "aiocollect sync" and r.fps is not None), None)
-    if sync is not None:
+    runs = limit_result.extra.get("runs_fps", [])
+    if len(runs) == 2:
+        drift = abs(runs[1] - runs[0]) / max(runs)
+        log(
+            f"limit at the start / at the end: {runs[0]:,.0f} / {runs[1]:,.0f} frames/s (differ by {drift:.0%})"
+            + ("  <- the machine's load changed during the run: ratios are unreliable" if drift > 0.15 else "")
+        )
+    sync = results.get("aiocollect_sync")
+    if sync is not None and sync.fps is not None:
         log(f"event-loop lag while collecting: {_fmt_lag(sync.extra['loop_lag_ms'])}")
-        log(f"  (idle loop, same ticker: {_fmt_lag(sync.extra['idle_loop_lag_ms'])})")
+        log(f"  (same ticker on the idle loop just before: {_fmt_lag(sync.extra['idle_loop_lag_ms'])})")
     if ttfb is not None:
         log(
             f"time to first batch: {ttfb['first_s']:.2f} s (fresh process); second collector: {ttfb['second_s']:.2f} s"
-            f"  (import aiocollect: {ttfb['aiocollect_import_s']:.2f} s)"
+            f"  (import aiocollect before that: {ttfb['aiocollect_import_s']:.2f} s)"
         )
     if leftovers:
-        log(f"WARNING: processes were left running after: {', '.join(leftovers)} (terminated)")
+        log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
 
     if args.json:
         payload = {
@@ -749,7 +795,10 @@ def main(args: argparse.Namespace) -> int:
             "platform": platform.platform(),
             "args": {k: v for k, v in vars(args).items() if k != "ttfb_child"},
             "limit_fps": limit,
-            "results": [{**asdict(r), "ratio_to_limit": (r.fps / limit if r.fps and limit else None)} for r in results],
+            "results": {
+                key: {**asdict(r), "ratio_to_limit": (r.fps / limit if r.fps and limit else None)}
+                for key, r in {"limit": limit_result, **results}.items()
+            },
             "aiocollect": aiocollect_missing or "measured",
             "time_to_first_batch": ttfb,
             "leftover_processes": leftovers,
@@ -771,5 +820,7 @@ if __name__ == "__main__":
             sys.exit(main(_args))
         except KeyboardInterrupt:
             log("interrupted; stopping everything this benchmark started")
-            reap("the interruption", grace_s=1.0)
             sys.exit(130)
+        finally:
+            _shutdown_aiocollect_launcher()
+            reap("the benchmark", grace_s=1.0)
