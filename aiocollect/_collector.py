@@ -143,6 +143,7 @@ class Collector:
             shutdown_timeout=shutdown_timeout,
         )
         self._state = State.CREATED
+        self._launch_failed = False
         self._seed: int | None = seed
         self._static_seed = False
         self._frames = 0
@@ -262,9 +263,15 @@ class Collector:
             self._wakeup = anyio.Event()
             self._task = spawn_system_task(self._run)
         await self._started.wait()
-        if self._state is State.STOPPED and self._error is not None and self._batches == 0 and not self._error_seen:
-            self._error_seen = True
-            raise self._error
+        if self._state is State.STOPPED and self._launch_failed:
+            # nothing was started that could be used: the collector is closed, its error raised once
+            with anyio.CancelScope(shield=True):
+                await self._done.wait()
+            self._recv.close()
+            self._state = State.CLOSED
+            if not self._error_seen and self._error is not None:
+                self._error_seen = True
+                raise self._error
 
     async def aclose(self) -> None:
         """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is
@@ -298,8 +305,8 @@ class Collector:
             pass  # the body's exception wins; the collector is closed either way
 
     def __del__(self) -> None:
-        if getattr(self, "_state", State.CLOSED) in (State.CLOSED, State.CREATED):
-            return
+        if getattr(self, "_state", State.CLOSED) not in (State.STARTING, State.RUNNING):
+            return  # nothing of ours is running (a stopped collector's workers are gone)
         warnings.warn(
             f"{self!r} was not closed: use `async with Collector(...)` or `await collector.aclose()`",
             ResourceWarning,
@@ -420,6 +427,7 @@ class Collector:
                     tg.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - reported to the consumer
                 self._error = _unwrap(exc)
+                self._launch_failed = not self._started.is_set()
             finally:
                 await self._stop_workers()
         finally:

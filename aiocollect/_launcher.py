@@ -51,10 +51,11 @@ def _child(fd: int, sock: socket.socket, request: dict[str, Any], parent_pid: in
             os.chdir(request["cwd"])
         except OSError:
             pass
-        from ._worker import serve
+        module, _, name = request.get("entry", "aiocollect._worker:serve").partition(":")
+        serve = getattr(importlib.import_module(module), name)
     except BaseException:  # pragma: no cover
         os._exit(1)
-    serve(fd)
+    serve(fd)  # never returns: it ends the process
 
 
 def main() -> None:
@@ -141,10 +142,15 @@ class Launcher:
         assert self._sock is not None
         _wire.send_blocking(self._sock, request, fds)
 
-    def spawn(self, fd: int, needs: tuple[str, ...]) -> None:
-        """Ask for a worker serving socket ``fd`` (the caller closes its copy of ``fd``)."""
+    def spawn(self, fd: int, needs: tuple[str, ...], entry: str = "aiocollect._worker:serve") -> None:
+        """Ask for a worker serving socket ``fd`` (the caller closes its copy of ``fd``).
+
+        ``entry`` (``"module:function"``) is called in the forked child with ``fd``; it must end
+        the process itself (``os._exit``) and never return.
+        """
         request = {
             "op": "spawn",
+            "entry": entry,
             "needs": list(needs),
             "sys_path": list(sys.path),
             "environ": dict(os.environ),

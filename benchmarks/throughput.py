@@ -8,20 +8,27 @@ everywhere via ``torch.manual_seed``; defaults: 2 workers x 8 envs, 2048 frames 
   ``torch.no_grad`` with ``torch.set_num_threads(1)``, then ``env.step`` per env, reset on
   terminated/truncated. No communication, no storage. Each process bumps a shared frame counter; the
   parent reads the counters at the start and the end of one common wall-clock window after a warm-up,
-  so fps is the sum over the processes. Every other setup is reported as a ratio to this.
+  so fps is the sum over the processes. It runs first and again last; the mean of the two is the
+  reference every other setup is reported against (ratio), and their difference shows whether the
+  machine's load changed during the run.
 * **gymnasium SyncVectorEnv loop** -- one process, ``SyncVectorEnv`` of workers x envs_per_worker envs,
   storing observation/action/reward/terminated/truncated of each step into preallocated torch tensors
   ``[num_envs, T]`` of one batch (T = frames_per_batch / num_envs).
 * **gymnasium AsyncVectorEnv** (``shared_memory=True``) -- the same loop; gymnasium runs one process
   per env, so this is num_envs processes, not ``--workers``.
-* **TorchRL MultiSyncDataCollector** -- only if ``torchrl`` imports: ``--workers`` workers, each a
-  ``SerialEnv`` of ``--envs-per-worker`` ``GymEnv``s.
+* **TorchRL MultiSyncCollector** (``MultiSyncDataCollector`` before TorchRL 0.14) -- only if ``torchrl``
+  imports: ``--workers`` workers, each a ``SerialEnv`` of ``--envs-per-worker`` ``GymEnv``s.
 * **aiocollect**, ``delivery="sync"`` and ``delivery="async"``: ``async for batch in collector`` under
   anyio + uvloop, counting ``batch.numel()`` frames.
 
 Batch-based setups discard the first batches (at least 2 and at least ``--warmup`` seconds after the
 first one), then count frames for ``--seconds``: fps = frames / time between the end of the warm-up and
 the batch that closes the window.
+
+For every window the CPU time of this benchmark's processes (workers included) and of the rest of the
+machine is read from /proc: "cores used", "per-core ratio" (frames per CPU-second relative to the
+limit's; less sensitive to what else runs on a shared machine) and "busy elsewhere" (other processes,
+hypervisor steal). On a noisy machine read the ratios, and distrust a run whose "busy elsewhere" is high.
 
 Also measured:
 
@@ -38,8 +45,10 @@ Run (the default run takes about a minute; the machine's noise matters, read rat
     bash scripts/run.sh bench [--seconds 4] [--json benchmarks/results/throughput.json]
     .venv/bin/python benchmarks/throughput.py --help
 
-Every process the benchmark starts is stopped before it exits (also on Ctrl-C or an error); a section
-that leaves processes behind is reported with a warning and they are terminated.
+Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
+section that leaves processes behind is reported with a warning and they are terminated. Options:
+``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--json PATH``,
+``--skip-baselines`` (gymnasium and TorchRL; the limit always runs), ``--skip-aiocollect``.
 """
 
 from __future__ import annotations
@@ -48,7 +57,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -56,9 +64,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from multiprocessing.sharedctypes import Synchronized
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -66,15 +74,27 @@ import numpy as np
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file, also for python -m
+from _util import (
+    MP_HELPERS,
+    Meter,
+    Result,
+    become_subreaper,
+    child_signals,
+    cpu_snapshot,
+    cpu_usage,
+    descendants,
+    log,
+    percentiles_ms,
+    reap,
+    sigterm_as_interrupt,
+)
+
 ENV_ID = "CartPole-v1"
 SEED = 0
 OBS_DIM = 4
 TICK_S = 0.001
 TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
-# Long-lived helper processes that exit with the interpreter (aiocollect's launcher, the template its
-# workers are forked from, is kept until shutdown_launcher()): the leftover check walks through them
-# to their children but does not count them.
-_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "aiocollect._launcher")
 
 
 class ArgmaxMLP(nn.Module):
@@ -98,191 +118,14 @@ def make_policy() -> ArgmaxMLP:
 
 
 # --------------------------------------------------------------------------------------------------
-# results and measurement helpers
-
-
-@dataclass
-class Result:
-    """One measured setup."""
-
-    name: str
-    fps: float | None = None
-    frames: int = 0
-    seconds: float = 0.0
-    startup_s: float | None = None  # section start -> first batch (batch-based setups)
-    note: str = ""  # why there is no figure (skipped, failed, not installed)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Meter:
-    """Warm-up then a fixed measuring window, fed with one call per batch received."""
-
-    def __init__(self, seconds: float, warmup_s: float, warmup_batches: int = 2) -> None:
-        self.seconds = seconds
-        self.warmup_s = warmup_s
-        self.warmup_batches = warmup_batches
-        self.t_section = time.perf_counter()
-        self.t_first: float | None = None
-        self.t0: float | None = None  # start of the measuring window
-        self.t1: float | None = None  # end of the measuring window
-        self.warm_batches = 0
-        self.frames = 0
-
-    def add(self, frames: int) -> bool:
-        """Account for one batch just received; True once the measuring window is over."""
-        now = time.perf_counter()
-        if self.t_first is None:
-            self.t_first = now
-        if self.t0 is None:
-            self.warm_batches += 1
-            if self.warm_batches >= self.warmup_batches and now - self.t_first >= self.warmup_s:
-                self.t0 = now
-            return False
-        self.frames += frames
-        if now - self.t0 >= self.seconds:
-            self.t1 = now
-            return True
-        return False
-
-    def result(self, name: str) -> Result:
-        if self.t0 is None or self.t1 is None:
-            raise RuntimeError(f"{name}: the measuring window never closed")
-        elapsed = self.t1 - self.t0
-        startup = None if self.t_first is None else self.t_first - self.t_section
-        return Result(name, self.frames / elapsed, self.frames, elapsed, startup)
-
-
-def percentiles_ms(samples: list[float]) -> dict[str, float]:
-    """p50/p99/max (and the sample count) of lag samples given in seconds."""
-    if not samples:
-        return {"p50": math.nan, "p99": math.nan, "max": math.nan, "n": 0}
-    arr = np.asarray(samples) * 1e3
-    return {
-        "p50": float(np.percentile(arr, 50)),
-        "p99": float(np.percentile(arr, 99)),
-        "max": float(arr.max()),
-        "n": int(arr.size),
-    }
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# process hygiene: find (and stop) whatever a section left running
-
-
-@dataclass
-class _Proc:
-    pid: int
-    ppid: int
-    session: int
-    cmdline: str
-
-
-def _processes() -> dict[int, _Proc]:
-    """All live (non-zombie) processes, from /proc (Linux); empty elsewhere."""
-    procs: dict[int, _Proc] = {}
-    if not os.path.isdir("/proc"):
-        return procs
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
-        if fields[0] in ("Z", "X"):
-            continue
-        procs[int(entry)] = _Proc(int(entry), int(fields[1]), int(fields[4]), cmdline)
-    return procs
-
-
-def _leftovers(sessions: tuple[int, ...] = ()) -> list[_Proc]:
-    """Descendants of this process (through multiprocessing's helpers, which are not counted) and
-    members of the given sessions (subprocesses started with start_new_session=True)."""
-    procs = _processes()
-    children: dict[int, list[int]] = {}
-    for p in procs.values():
-        children.setdefault(p.ppid, []).append(p.pid)
-    found: dict[int, _Proc] = {}
-    stack = list(children.get(os.getpid(), []))
-    while stack:
-        pid = stack.pop()
-        proc = procs[pid]
-        if not any(h in proc.cmdline for h in _HELPERS):
-            found[pid] = proc
-        stack.extend(children.get(pid, []))
-    for p in procs.values():
-        if p.session in sessions and p.pid != os.getpid():
-            found[p.pid] = p
-    return list(found.values())
-
-
-def reap(stage: str, sessions: tuple[int, ...] = (), grace_s: float = 3.0) -> list[str]:
-    """Wait up to grace_s for a section's processes to go; terminate (then kill) those still there.
-
-    Returns their descriptions (empty when the section cleaned up after itself).
-    """
-    deadline = time.monotonic() + grace_s
-    left = _leftovers(sessions)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = _leftovers(sessions)
-    if not left:
-        return []
-    described = [f"{p.pid} {p.cmdline[:100]}" for p in left]
-    log(f"  WARNING: {len(left)} process(es) still running after {stage}; terminating them:")
-    for d in described:
-        log(f"    {d}")
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p.pid, sig)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            alive = {q.pid for q in _leftovers(sessions)}
-            left = [p for p in left if p.pid in alive]
-            if not left:
-                break
-            time.sleep(0.05)
-        if not left:
-            break
-    for child in mp.active_children():  # reaps zombies of multiprocessing children
-        child.join(0)
-    return described
-
-
-# --------------------------------------------------------------------------------------------------
 # 1. the limit: independent processes, no communication, no storage
-
-
-@contextlib.contextmanager
-def _child_signals() -> Iterator[None]:
-    """While starting worker processes: SIGINT ignored, SIGTERM default.
-
-    Forked and spawned children inherit that (a fork also inherits Python-level handlers), so Ctrl-C
-    reaches only this process, which then stops them, and their SIGTERM just ends them.
-    """
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    previous_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
 
 
 def _limit_worker(
     rank: int,
     num_envs: int,
     state_dict: dict[str, torch.Tensor],
-    counter: Synchronized,  # RawValue("q"): frames stepped so far, written only by this process
+    counter: Any,  # RawValue("q"): frames stepped so far, written only by this process
     ready: Any,  # multiprocessing Event
     go: Any,
     stop: Any,
@@ -325,11 +168,11 @@ def run_limit(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
         for rank in range(args.workers)
     ]
     try:
-        with _child_signals():
+        with child_signals():
             for p in procs:
                 p.start()
         deadline = time.monotonic() + 120.0
-        for p, ready in zip(procs, readies):
+        for p, ready in zip(procs, readies, strict=True):
             while not ready.wait(0.1):
                 if not p.is_alive():
                     raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
@@ -337,9 +180,11 @@ def run_limit(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
                     raise TimeoutError(f"{p.name} not ready after 120 s")
         go.set()
         time.sleep(args.warmup)
+        cpu0 = cpu_snapshot()
         c0, t0 = [c.value for c in counters], time.perf_counter()
         time.sleep(args.seconds)
         c1, t1 = [c.value for c in counters], time.perf_counter()
+        cpu1 = cpu_snapshot()
         for p in procs:
             if not p.is_alive():
                 raise RuntimeError(f"{p.name} died during the measurement (exit code {p.exitcode})")
@@ -357,9 +202,16 @@ def run_limit(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
                 p.kill()
                 p.join()
     frames = sum(c1) - sum(c0)
-    per_proc = [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
+    per_proc = [(b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True)]
     name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
-    return Result(name, frames / (t1 - t0), frames, t1 - t0, extra={"fps_per_process": per_proc})
+    return Result(
+        name,
+        frames / (t1 - t0),
+        frames,
+        t1 - t0,
+        cpu=cpu_usage(cpu0, cpu1),
+        extra={"fps_per_process": per_proc},
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,7 +260,7 @@ def run_sync_vector(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
 def run_async_vector(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
     n = args.workers * args.envs_per_worker
     meter = Meter(args.seconds, args.warmup)
-    with _child_signals():
+    with child_signals():
         envs = gym.vector.AsyncVectorEnv([functools.partial(gym.make, ENV_ID)] * n, shared_memory=True, copy=False)
     clean = False
     try:
@@ -430,23 +282,30 @@ def _torchrl_env(envs_per_worker: int) -> Any:
 
 
 def run_torchrl(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
-    name = "TorchRL MultiSyncDataCollector"
+    name = "TorchRL MultiSyncCollector"
     try:
-        from tensordict.nn import TensorDictModule
-        from torchrl.collectors import MultiSyncDataCollector
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchrl.collectors as collectors
+            import torchrl.envs  # noqa: F401 - imported here so that its import-time warnings stay quiet
+            from tensordict.nn import TensorDictModule
     except ModuleNotFoundError as exc:
         if exc.name == "torchrl":
             return Result(name, note="torchrl not installed")
         return Result(name, note=f"torchrl does not import: {exc}")
     except Exception as exc:  # noqa: BLE001 - e.g. a torchrl built for another tensordict
         return Result(name, note=f"torchrl does not import: {type(exc).__name__}: {exc}")
+    # MultiSyncDataCollector was renamed MultiSyncCollector in TorchRL 0.14.
+    collector_cls = getattr(collectors, "MultiSyncCollector", None) or collectors.MultiSyncDataCollector
+    name = f"TorchRL {collector_cls.__name__}"
     meter = Meter(args.seconds, args.warmup)
-    collector = MultiSyncDataCollector(
-        [functools.partial(_torchrl_env, args.envs_per_worker)] * args.workers,
-        TensorDictModule(policy, in_keys=["observation"], out_keys=["action"]),
-        frames_per_batch=args.frames_per_batch,
-        total_frames=-1,
-    )
+    with child_signals():
+        collector = collector_cls(
+            [functools.partial(_torchrl_env, args.envs_per_worker)] * args.workers,
+            TensorDictModule(policy, in_keys=["observation"], out_keys=["action"]),
+            frames_per_batch=args.frames_per_batch,
+            total_frames=-1,
+        )
     try:
         for batch in collector:
             if meter.add(batch.numel()):
@@ -458,6 +317,11 @@ def run_torchrl(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
 
 # --------------------------------------------------------------------------------------------------
 # 4. aiocollect
+
+
+def _aiocollect_version() -> str:
+    module = sys.modules.get("aiocollect")
+    return getattr(module, "__version__", "?") if module is not None else "not imported"
 
 
 def _import_aiocollect() -> tuple[Any, str]:
@@ -513,8 +377,8 @@ async def _collect_aiocollect(
                 if meter.add(batch.numel()):
                     break
         tg.cancel_scope.cancel()
-    assert meter.t0 is not None and meter.t1 is not None
-    window = [lag for t, lag in samples if meter.t0 <= t <= meter.t1]
+    t0, t1 = meter.t0, meter.t1
+    window = [] if t0 is None or t1 is None else [lag for t, lag in samples if t0 <= t <= t1]
     return idle, window
 
 
@@ -523,7 +387,13 @@ def run_aiocollect(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: A
 
     meter = Meter(args.seconds, args.warmup)
     idle, window = anyio.run(
-        _collect_aiocollect, collector_cls, policy, args, delivery, meter, backend_options={"use_uvloop": True}
+        _collect_aiocollect,
+        collector_cls,
+        policy,
+        args,
+        delivery,
+        meter,
+        backend_options={"use_uvloop": True},
     )
     result = meter.result(f"aiocollect {delivery}")
     result.extra = {"loop_lag_ms": percentiles_ms(window), "idle_loop_lag_ms": percentiles_ms(idle)}
@@ -578,8 +448,9 @@ def run_ttfb(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
         "--envs-per-worker", str(args.envs_per_worker),
         "--frames-per-batch", str(args.frames_per_batch),
     ]  # fmt: skip
-    # Its own session: Ctrl-C here does not reach it directly, and whatever it leaves behind (even
-    # after it exits) can be found by session id and stopped.
+    # Whatever it leaves behind is reparented to us (become_subreaper) and found as a new descendant.
+    # Its own session: Ctrl-C does not reach it from the terminal; we stop it (and its group) ourselves.
+    baseline = frozenset(p.pid for p in descendants())
     t_spawn = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -592,7 +463,7 @@ def run_ttfb(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.wait(wait)
                     break
-        left = reap("the time-to-first-batch subprocess", sessions=(child.pid,))
+        left = reap("the time-to-first-batch subprocess", keep=MP_HELPERS, baseline=baseline)
     wall = time.perf_counter() - t_spawn
     if child.returncode != 0:
         raise RuntimeError(f"time-to-first-batch subprocess exited with code {child.returncode}")
@@ -608,7 +479,28 @@ def run_ttfb(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
 # driver
 
 
+@dataclass
+class Stage:
+    """One measured setup of the run."""
+
+    key: str  # in the JSON results; "limit" for both limit runs
+    name: str  # in the table
+    title: str  # in the progress lines
+    run: Callable[[], Result]
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an error, unwrapping exception groups (anyio's task groups raise those)."""
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())  # exception groups (3.10: the backport)
+    while len(inner) == 1:
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", ())
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _fmt_lag(lag: dict[str, float]) -> str:
+    if not lag.get("n"):
+        return "no samples"
     return f"p50 {lag['p50']:.2f} ms, p99 {lag['p99']:.2f} ms, max {lag['max']:.2f} ms"
 
 
@@ -616,40 +508,64 @@ def _stage_result(r: Result) -> str:
     if r.fps is None:
         return f"  -> {r.note}"
     start = "" if r.startup_s is None else f", first batch after {r.startup_s:.2f} s"
-    return f"  -> {r.fps:,.0f} frames/s ({r.frames:,} frames in {r.seconds:.2f} s{start})"
+    cpu = (
+        f"; cores used: {r.cpu['ours']:.2f} (this process: {r.cpu['main']:.2f}),"
+        f" busy elsewhere: {r.cpu['elsewhere']:.2f}"
+        if r.cpu
+        else ""
+    )
+    return f"  -> {r.fps:,.0f} frames/s ({r.frames:,} frames in {r.seconds:.2f} s{start}{cpu})"
+
+
+_COLUMNS = ("frames/s", "ratio to limit", "cores used", "per-core ratio", "busy elsewhere")
+
+
+def _row(name: str, cells: tuple[str, ...]) -> str:
+    return f"{name:<36}" + "".join(f"  {cell:>{max(len(head), 9)}}" for cell, head in zip(cells, _COLUMNS, strict=True))
+
+
+def _cores(r: Result, key: str) -> str:
+    return f"{r.cpu[key]:.2f}" if key in r.cpu else "-"
+
+
+def _per_core_ratio(r: Result, limit: Result) -> str:
+    """Frames per CPU-second of the benchmark's own processes, relative to the limit's."""
+    if r.fps is None or limit.fps is None or not r.cpu.get("ours") or not limit.cpu.get("ours"):
+        return "-"
+    return f"{(r.fps / r.cpu['ours']) / (limit.fps / limit.cpu['ours']):.2f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seconds", type=float, default=4.0, help="measuring window of each setup (default 4)")
-    p.add_argument("--warmup", type=float, default=0.5, help="warm-up discarded before each window (default 0.5 s; batch-based setups also discard at least 2 batches)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.5,
+        help="warm-up discarded before each window (default 0.5 s; batch-based setups also discard at least 2 batches)",
+    )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker (default 8)")
     p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--skip-baselines", action="store_true", help="skip the gymnasium and TorchRL setups (the limit still runs)")
-    p.add_argument("--skip-aiocollect", action="store_true", help="skip aiocollect (throughput, loop lag, time to first batch)")
+    p.add_argument(
+        "--skip-baselines",
+        action="store_true",
+        help="skip the gymnasium and TorchRL setups (the limit still runs)",
+    )
+    p.add_argument(
+        "--skip-aiocollect",
+        action="store_true",
+        help="skip aiocollect (throughput, loop lag, time to first batch)",
+    )
     p.add_argument("--_ttfb-child", action="store_true", dest="ttfb_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     n = args.workers * args.envs_per_worker
     if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % n:
         p.error(f"--frames-per-batch ({args.frames_per_batch}) must be a multiple of workers x envs-per-worker ({n})")
     return args
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Let SIGTERM unwind like Ctrl-C so every section's clean-up runs."""
-
-    def handler(signum: int, frame: Any) -> None:
-        log("SIGTERM received")
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _shutdown_aiocollect_launcher() -> None:
@@ -667,16 +583,23 @@ def _combine_limits(name: str, runs: list[Result]) -> Result:
     if not ok:
         return Result(name, note=runs[0].note if runs else "not measured")
     fps = [r.fps for r in ok if r.fps is not None]
+    cpu_keys = set.intersection(*(set(r.cpu) for r in ok))
     return Result(
         name,
         sum(fps) / len(fps),
         sum(r.frames for r in ok),
         sum(r.seconds for r in ok),
-        extra={"runs_fps": fps, "fps_per_process": [r.extra.get("fps_per_process") for r in ok]},
+        cpu={k: sum(r.cpu[k] for r in ok) / len(ok) for k in sorted(cpu_keys)},
+        extra={
+            "runs_fps": fps,
+            "runs_cpu": [r.cpu for r in ok],
+            "fps_per_process": [r.extra.get("fps_per_process") for r in ok],
+        },
     )
 
 
 def main(args: argparse.Namespace) -> int:
+    become_subreaper()  # so that the leftover checks also see orphans of our children
     torch.set_num_threads(1)  # as in the limit's processes; the policy is far too small for threads
     policy = make_policy()
     collector_cls, aiocollect_missing = (None, "skipped (--skip-aiocollect)")
@@ -691,55 +614,60 @@ def main(args: argparse.Namespace) -> int:
     )
     log(
         f"machine: {os.cpu_count()} cores (os.cpu_count()), Python {platform.python_version()}, torch "
-        f"{torch.__version__}, gymnasium {gym.__version__}, {platform.platform()}"
+        f"{torch.__version__}, gymnasium {gym.__version__}, aiocollect {_aiocollect_version()}, {platform.platform()}"
     )
 
     limit_name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
     limit_title = f"limit: {args.workers} independent processes x {args.envs_per_worker} envs"
-    # (key, progress title, callable); "limit" runs first and last, its mean is the reference.
-    stages: list[tuple[str, str, Callable[[], Result]]] = [
-        ("limit", limit_title, lambda: run_limit(args, policy))
-    ]
+    # "limit" runs first and last, the mean of the two is the reference.
+    stages = [Stage("limit", limit_name, limit_title, lambda: run_limit(args, policy))]
     if not args.skip_baselines:
         stages += [
-            ("sync_vector", f"gymnasium SyncVectorEnv x{n}, hand-written loop", lambda: run_sync_vector(args, policy)),
-            ("async_vector", f"gymnasium AsyncVectorEnv x{n} (shared_memory=True, {n} processes)",
-             lambda: run_async_vector(args, policy)),
-            ("torchrl", "TorchRL MultiSyncDataCollector", lambda: run_torchrl(args, policy)),
+            Stage("sync_vector", f"SyncVectorEnv x{n} loop", f"gymnasium SyncVectorEnv x{n}, hand-written loop",
+                  lambda: run_sync_vector(args, policy)),
+            Stage("async_vector", f"AsyncVectorEnv x{n} ({n} procs, shm)",
+                  f"gymnasium AsyncVectorEnv x{n} (shared_memory=True, {n} processes)",
+                  lambda: run_async_vector(args, policy)),
+            Stage("torchrl", "TorchRL MultiSyncCollector",
+                  "TorchRL MultiSyncCollector (MultiSyncDataCollector before 0.14)", lambda: run_torchrl(args, policy)),
         ]  # fmt: skip
     if collector_cls is not None:
         for delivery in ("sync", "async"):
             stages.append(
-                (f"aiocollect_{delivery}", f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
-                 functools.partial(run_aiocollect, args, policy, collector_cls, delivery))
+                Stage(f"aiocollect_{delivery}", f"aiocollect {delivery}",
+                      f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
+                      functools.partial(run_aiocollect, args, policy, collector_cls, delivery))
             )  # fmt: skip
-    stages.append(("limit", f"{limit_title}, again (did the machine's load change?)", lambda: run_limit(args, policy)))
+    stages.append(
+        Stage("limit", limit_name, f"{limit_title}, again (did the machine's load change?)",
+              lambda: run_limit(args, policy))
+    )  # fmt: skip
 
     limit_runs: list[Result] = []
     results: dict[str, Result] = {}
     leftovers: dict[str, list[str]] = {}
     ttfb: dict[str, float] | None = None
     total = len(stages) + (collector_cls is not None)
-    for i, (key, title, fn) in enumerate(stages, 1):
-        log(f"[{i}/{total}] {title} ...")
+    for i, stage in enumerate(stages, 1):
+        log(f"[{i}/{total}] {stage.title} ...")
         try:
-            result = fn()
+            result = stage.run()
         except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
-            result = Result(limit_name if key == "limit" else title, note=f"FAILED: {type(exc).__name__}: {exc}")
+            result = Result(stage.name, note=f"FAILED: {_describe(exc)}")
         finally:
-            if key.startswith("aiocollect") and key.endswith("async"):
+            if stage.key == "aiocollect_async":
                 _shutdown_aiocollect_launcher()
-            left = reap(title)
+            left = reap(stage.title)
             if left:
-                leftovers[title] = left
+                leftovers[stage.title] = left
         log(_stage_result(result))
         if "loop_lag_ms" in result.extra:
             log(f"     event-loop lag: {_fmt_lag(result.extra['loop_lag_ms'])}"
                 f" (idle loop before it: {_fmt_lag(result.extra['idle_loop_lag_ms'])})")  # fmt: skip
-        if key == "limit":
+        if stage.key == "limit":
             limit_runs.append(result)
         else:
-            results[key] = result
+            results[stage.key] = result
     if collector_cls is not None:
         log(f"[{total}/{total}] aiocollect time to first batch, fresh subprocess ...")
         try:
@@ -748,20 +676,21 @@ def main(args: argparse.Namespace) -> int:
                 leftovers["time to first batch"] = left
             log(f"  -> first collector {ttfb['first_s']:.2f} s, second {ttfb['second_s']:.2f} s")
         except Exception as exc:  # noqa: BLE001
-            log(f"  -> FAILED: {type(exc).__name__}: {exc}")
+            log(f"  -> FAILED: {_describe(exc)}")
 
     # ---- summary
     limit_result = _combine_limits(limit_name, limit_runs)
     limit = limit_result.fps
     rows = [limit_result, *results.values()]
     log("")
-    log(f"{'setup':<36} {'frames/s':>10}   ratio to limit")
+    log(_row("setup", _COLUMNS))
     for r in rows:
         if r.fps is None:
             log(f"{r.name:<36} {r.note}")
             continue
         ratio = f"{r.fps / limit:.2f}" if limit else "n/a"
-        log(f"{r.name:<36} {r.fps:>10,.0f}   {ratio:>6}")
+        per_core = _per_core_ratio(r, limit_result)
+        log(_row(r.name, (f"{r.fps:,.0f}", ratio, _cores(r, "ours"), per_core, _cores(r, "elsewhere"))))
     if collector_cls is None:
         log(f"{'aiocollect':<36} {aiocollect_missing}")
     runs = limit_result.extra.get("runs_fps", [])
@@ -779,6 +708,12 @@ def main(args: argparse.Namespace) -> int:
         log(
             f"time to first batch: {ttfb['first_s']:.2f} s (fresh process); second collector: {ttfb['second_s']:.2f} s"
             f"  (import aiocollect before that: {ttfb['aiocollect_import_s']:.2f} s)"
+        )
+    if limit_result.cpu:
+        log(
+            "cores used: CPU time of this benchmark's processes per second of the window; per-core ratio: "
+            "its frames per\n  CPU-second relative to the limit's; busy elsewhere: the rest of the machine's "
+            "CPU (other processes, steal)"
         )
     if leftovers:
         log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
@@ -813,9 +748,12 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     _args = parse_args()
     if _args.ttfb_child:
-        ttfb_child(_args)
+        try:
+            ttfb_child(_args)
+        except KeyboardInterrupt:  # the parent stops us with SIGINT; it reports the interruption
+            sys.exit(130)
         sys.exit(0)
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         try:
             sys.exit(main(_args))
         except KeyboardInterrupt:
@@ -823,4 +761,4 @@ if __name__ == "__main__":
             sys.exit(130)
         finally:
             _shutdown_aiocollect_launcher()
-            reap("the benchmark", grace_s=1.0)
+            reap("the benchmark", keep=MP_HELPERS, grace_s=1.0)

@@ -1,0 +1,286 @@
+"""Helpers of benchmarks/throughput.py: measuring windows, CPU accounting, process hygiene."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_PR_SET_CHILD_SUBREAPER = 36
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Long-lived helper processes, by command line: multiprocessing's exit with the interpreter,
+# aiocollect's launcher (the template its workers are forked from) is kept until shutdown_launcher().
+# The leftover check walks through them to their children but, where told to keep them, does not
+# count them.
+MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+HELPERS = (*MP_HELPERS, "aiocollect._launcher")
+
+
+# --------------------------------------------------------------------------------------------------
+# results and measurement helpers
+
+
+@dataclass
+class Result:
+    """One measured setup."""
+
+    name: str
+    fps: float | None = None
+    frames: int = 0
+    seconds: float = 0.0
+    startup_s: float | None = None  # section start -> first batch (batch-based setups)
+    note: str = ""  # why there is no figure (skipped, failed, not installed)
+    cpu: dict[str, float] = field(default_factory=dict)  # cores used in the window, see cpu_usage()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Meter:
+    """Warm-up then a fixed measuring window, fed with one call per batch received."""
+
+    def __init__(self, seconds: float, warmup_s: float, warmup_batches: int = 2) -> None:
+        self.seconds = seconds
+        self.warmup_s = warmup_s
+        self.warmup_batches = warmup_batches
+        self.t_section = time.perf_counter()
+        self.t_first: float | None = None
+        self.t0: float | None = None  # start of the measuring window
+        self.t1: float | None = None  # end of the measuring window
+        self.warm_batches = 0
+        self.frames = 0
+        self.cpu0: CpuSnapshot | None = None
+        self.cpu1: CpuSnapshot | None = None
+
+    def add(self, frames: int) -> bool:
+        """Account for one batch just received; True once the measuring window is over."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        if self.t0 is None:
+            self.warm_batches += 1
+            if self.warm_batches >= self.warmup_batches and now - self.t_first >= self.warmup_s:
+                self.cpu0 = cpu_snapshot()
+                self.t0 = now
+            return False
+        self.frames += frames
+        if now - self.t0 >= self.seconds:
+            self.t1 = now
+            self.cpu1 = cpu_snapshot()
+            return True
+        return False
+
+    def result(self, name: str) -> Result:
+        if self.t0 is None or self.t1 is None:
+            raise RuntimeError(f"{name}: the measuring window never closed")
+        elapsed = self.t1 - self.t0
+        startup = None if self.t_first is None else self.t_first - self.t_section
+        return Result(name, self.frames / elapsed, self.frames, elapsed, startup, cpu=cpu_usage(self.cpu0, self.cpu1))
+
+
+def percentiles_ms(samples: list[float]) -> dict[str, float]:
+    """p50/p99/max (and the sample count) of lag samples given in seconds."""
+    if not samples:
+        return {"n": 0}
+    arr = np.asarray(samples) * 1e3
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
+        "n": int(arr.size),
+    }
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# process hygiene: find (and stop) whatever a section left running
+
+
+@dataclass
+class _Proc:
+    pid: int
+    ppid: int
+    session: int
+    cpu_s: float  # user + system time so far
+    cmdline: str
+
+
+def _processes() -> dict[int, _Proc]:
+    """All live (non-zombie) processes, from /proc (Linux); empty elsewhere."""
+    procs: dict[int, _Proc] = {}
+    if not os.path.isdir("/proc"):
+        return procs
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
+        if fields[0] in ("Z", "X"):
+            continue
+        cpu_s = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        procs[int(entry)] = _Proc(int(entry), int(fields[1]), int(fields[3]), cpu_s, cmdline)
+    return procs
+
+
+def _children_map(procs: dict[int, _Proc]) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    return children
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Machine-wide busy CPU time and the CPU time of each process of this benchmark's tree."""
+
+    t: float
+    busy_s: float
+    ours: dict[int, float]
+
+
+def cpu_snapshot() -> CpuSnapshot | None:
+    """None where /proc is not there."""
+    try:
+        with open("/proc/stat") as f:
+            # cpu  user nice system idle iowait irq softirq steal ...
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    procs = _processes()
+    children = _children_map(procs)
+    ours: dict[int, float] = {}
+    stack = [os.getpid()]
+    while stack:
+        pid = stack.pop()
+        if pid in procs:
+            ours[pid] = procs[pid].cpu_s
+        stack.extend(children.get(pid, []))
+    busy = (user + nice + system + irq + softirq + steal) / _CLK_TCK
+    return CpuSnapshot(time.perf_counter(), busy, ours)
+
+
+def cpu_usage(a: CpuSnapshot | None, b: CpuSnapshot | None) -> dict[str, float]:
+    """Cores used between two snapshots: by this benchmark's processes ("ours"; "main": by this one
+    alone) and by everything else on the machine, hypervisor steal included ("elsewhere"). Empty
+    without /proc."""
+    if a is None or b is None or b.t <= a.t:
+        return {}
+    ours = sum(cpu - a.ours.get(pid, 0.0) for pid, cpu in b.ours.items())  # new processes: all of it
+    me = os.getpid()
+    main = b.ours.get(me, 0.0) - a.ours.get(me, 0.0)
+    wall = b.t - a.t
+    return {"ours": ours / wall, "main": main / wall, "elsewhere": max(0.0, b.busy_s - a.busy_s - ours) / wall}
+
+
+def become_subreaper() -> bool:
+    """Have orphaned descendants (say, of a subprocess that exited) reparented to this process rather
+    than to init, so that the leftover check still sees them. Linux only; True if it worked."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants() -> list[_Proc]:
+    """Live descendants of this process."""
+    procs = _processes()
+    children = _children_map(procs)
+    found: list[_Proc] = []
+    stack = list(children.get(os.getpid(), []))
+    while stack:
+        proc = procs[stack.pop()]
+        found.append(proc)
+        stack.extend(children.get(proc.pid, []))
+    return found
+
+
+def _leftovers(keep: tuple[str, ...], baseline: frozenset[int]) -> list[_Proc]:
+    return [p for p in descendants() if p.pid not in baseline and not any(k in p.cmdline for k in keep)]
+
+
+def reap(
+    stage: str, *, keep: tuple[str, ...] = HELPERS, baseline: frozenset[int] = frozenset(), grace_s: float = 3.0
+) -> list[str]:
+    """Wait up to grace_s for a section's processes to go; terminate (then kill) those still there.
+
+    Looks at this process's descendants, less the helpers in ``keep`` (but not their children) and
+    the pids in ``baseline``. Returns their descriptions (empty when the section cleaned up after
+    itself).
+    """
+    deadline = time.monotonic() + grace_s
+    left = _leftovers(keep, baseline)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _leftovers(keep, baseline)
+    if not left:
+        return []
+    described = [f"{p.pid} {p.cmdline[:100]}" for p in left]
+    log(f"  WARNING: {len(left)} process(es) still running after {stage}; terminating them:")
+    for d in described:
+        log(f"    {d}")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            alive = {q.pid for q in _leftovers(keep, baseline)}
+            left = [p for p in left if p.pid in alive]
+            if not left:
+                break
+            time.sleep(0.05)
+        if not left:
+            break
+    for child in mp.active_children():  # reaps zombies of multiprocessing children
+        child.join(0)
+    return described
+
+
+@contextlib.contextmanager
+def child_signals() -> Iterator[None]:
+    """While starting worker processes: SIGINT ignored, SIGTERM default.
+
+    Forked and spawned children inherit that (a fork also inherits Python-level handlers), so Ctrl-C
+    reaches only this process, which then stops them, and their SIGTERM just ends them.
+    """
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Let SIGTERM unwind like Ctrl-C so every section's clean-up runs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log("SIGTERM received")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
