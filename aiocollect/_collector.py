@@ -144,6 +144,9 @@ class Collector:
         )
         self._state = State.CREATED
         self._launch_failed = False
+        self._closing = False
+        self._produced = 0
+        self._pending_error: BaseException | None = None
         self._seed: int | None = seed
         self._static_seed = False
         self._frames = 0
@@ -256,7 +259,7 @@ class Collector:
         if self._state is State.CREATED:
             self._state = State.STARTING
             size = max(self.config.prefetch, 1)
-            self._send, self._recv = anyio.create_memory_object_stream[TensorDict](size)
+            self._send, self._recv = anyio.create_memory_object_stream[tuple[TensorDict, list]](size)
             self._started = anyio.Event()
             self._done = anyio.Event()
             self._stop = anyio.Event()
@@ -282,6 +285,7 @@ class Collector:
         if self._state is State.CREATED:
             self._state = State.CLOSED
             return
+        self._closing = True
         with anyio.CancelScope(shield=True):
             self._stop.set()
             await self._done.wait()
@@ -333,16 +337,20 @@ class Collector:
         self._requested += 1
         self._wake()
         try:
-            return await self._recv.receive()
+            batch, parts = await self._recv.receive()
         except anyio.EndOfStream:
             if self._error is not None:
                 self._error_seen = True
                 raise self._error from self._error.__cause__
+            if self._closing or self._state is State.CLOSED:
+                raise CollectorClosedError("this collector was closed while waiting for a batch") from None
             raise EndOfCollection(
                 f"all {self.config.total_frames} frames (total_frames) have been collected"
             ) from None
         except anyio.ClosedResourceError:
             raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+        self._delivered(parts)
+        return batch
 
     def __aiter__(self) -> AsyncIterator[TensorDict]:
         return self
@@ -371,7 +379,12 @@ class Collector:
         return portal
 
     def __enter__(self) -> "Collector":
-        self._portal().call(self.start)
+        portal = self._portal()
+        try:
+            portal.call(self.start)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -421,7 +434,7 @@ class Collector:
                     self._state = State.RUNNING
                     self._started.set()
                     for w in self._workers:
-                        tg.start_soon(w.serve, self._wake)
+                        tg.start_soon(w.serve, self._wake, self._worker_failed)
                     tg.start_soon(self._produce)
                     await self._stop.wait()
                     tg.cancel_scope.cancel()
@@ -528,12 +541,27 @@ class Collector:
     def _run_requested(self) -> int:
         return self._requested
 
+    def _deliverable(self) -> bool:
+        if self.config.delivery == "sync":
+            return all(w.ready for w in self._workers)
+        return bool(self._arrivals)
+
+    def _worker_failed(self, error: BaseException) -> None:
+        """A worker raised or died: batches it completed before are still delivered (the
+        producer drains them), then the error ends the run."""
+        if self._pending_error is None:
+            self._pending_error = error
+        self._wake()
+
     async def _wait(self, cond: Callable[[], bool], produced: int, remaining: int) -> None:
         while True:
-            await self._pump(produced, remaining)
+            if self._pending_error is None:
+                await self._pump(produced, remaining)
             self._wakeup = anyio.Event()
             if cond():
                 return
+            if self._pending_error is not None and not self._deliverable():
+                raise self._pending_error
             await self._wakeup.wait()
 
     async def _produce(self) -> None:
@@ -544,6 +572,8 @@ class Collector:
         sync = c.delivery == "sync"
         produced = 0
         while produced < remaining:
+            if self._pending_error is not None and not self._deliverable():
+                raise self._pending_error
             await self._wait(lambda: self._requested + c.prefetch > produced, produced, remaining)
             if sync:
                 await self._wait(lambda: all(w.ready for w in workers), produced, remaining)
@@ -553,27 +583,31 @@ class Collector:
                 w = self._arrivals.popleft()
                 parts = [(w, w.ready.popleft())]
             batch = await self._assemble([(w, item[0]) for w, item in parts])
-            for w, (slot, _, info) in parts:
-                await w.release(slot)
-                self._record(w, info)
-            self._arrivals.clear() if sync else None
+            for w, (slot, _, _) in parts:
+                if self._pending_error is None:
+                    await w.release(slot)
+            if sync:
+                self._arrivals.clear()
             produced += 1
-            self._frames += c.frames_per_batch
-            self._batches += 1
+            self._produced += 1
             if c.split_trajs:
                 batch = split_trajectories(batch)
-            await self._send.send(batch)
-            if self._bar is not None:
-                self._bar.update_to(self._frames, time.perf_counter() - self._t0)
+            await self._send.send((batch, [(w.index, info) for w, (_, _, info) in parts]))
         self._stop.set()  # total_frames reached: release the workers now
 
-    def _record(self, w: WorkerHandle, info: dict) -> None:
+    def _delivered(self, parts: list[tuple[int, dict]]) -> None:
+        """Account for a batch the consumer received (counters, state_dict, progress)."""
         c = self.config
         if self._counters is None:
             self._counters = list(self._start_counters or [0] * c.total_envs)
-        base = w.index * c.envs_per_worker
-        self._counters[base : base + c.envs_per_worker] = info["traj_counters"]
-        self._episodes += len(info["episodes"])
+        for index, info in parts:
+            base = index * c.envs_per_worker
+            self._counters[base : base + c.envs_per_worker] = info["traj_counters"]
+            self._episodes += len(info["episodes"])
+        self._frames += c.frames_per_batch
+        self._batches += 1
+        if self._bar is not None:
+            self._bar.update_to(self._frames, time.perf_counter() - self._t0)
 
     async def _assemble(self, parts: list[tuple[WorkerHandle, int]]) -> TensorDict:
         layout: SlotLayout = self._layout

@@ -110,6 +110,11 @@ class Launcher:
         self._pid_owner = os.getpid()
 
     def _start(self) -> None:
+        if self._pid_owner != os.getpid():  # inherited through a fork: the parent's to manage
+            if self._sock is not None:
+                self._sock.close()
+            self._proc = self._sock = None
+        self._stop_locked()  # a dead launcher: close its socket, reap it
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -164,15 +164,21 @@ class ProcessWorker(WorkerHandle):
     async def release(self, slot: int) -> None:
         await self.send(("release", slot))
 
-    async def serve(self, on_ready: Any) -> None:
-        """Read the worker's messages until it fails (raises) or the task is cancelled."""
+    async def serve(self, on_ready: Any, on_error: Any) -> None:
+        """Read the worker's messages until it fails (reported with ``on_error``, after every
+        batch it completed before) or the task is cancelled."""
         while True:
-            msg = await self.recv()
+            try:
+                msg = await self.recv()
+            except BrokenWorkerError as exc:
+                on_error(exc)
+                return
             if msg[0] == "ready":
                 self.ready.append((msg[1], msg[2], msg[3]))
                 on_ready(self)
             elif msg[0] == "error":
-                raise self.error_from(msg)
+                on_error(self.error_from(msg))
+                return
 
     # -- lifecycle -------------------------------------------------------------------------------
     def set_pid(self, pid: int) -> None:
@@ -324,7 +330,7 @@ class LocalWorker(WorkerHandle):
         self.free.append(slot)
         self._wake()
 
-    async def serve(self, on_ready: Any) -> None:
+    async def serve(self, on_ready: Any, on_error: Any) -> None:
         batch = self.cfg.start_batch
         while True:
             while not (self.credits > 0 and self.free):
@@ -340,8 +346,8 @@ class LocalWorker(WorkerHandle):
                         await anyio.sleep(0)
                         deadline = time.perf_counter() + 0.004
             except Exception as exc:
-                err = _local_error(exc)
-                raise err
+                on_error(_local_error(exc))
+                return
             info = {
                 "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in rollout.episodes],
                 "traj_counters": rollout.traj_counters,

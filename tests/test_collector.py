@@ -203,9 +203,10 @@ async def test_state_dict_resumes_counters_and_trajectory_ids_stay_unique():
 
 
 async def test_async_delivery_gives_single_worker_batches_from_every_worker():
+    # a step cost, so that neither worker can deliver every batch before the other's first one
     batches = await collect_all(
-        counting(episode_length=90), frames_per_batch=16, total_frames=160, num_workers=2, envs_per_worker=2,
-        delivery="async", seed=0,
+        counting(episode_length=90, step_sleep=0.002), frames_per_batch=16, total_frames=320, num_workers=2,
+        envs_per_worker=2, delivery="async", seed=0,
     )
     assert all(b.batch_size == torch.Size([2, 8]) for b in batches)
     starts = {tuple((b["observation"][:, 0, 0] // 100).tolist()) for b in batches}
