@@ -118,7 +118,7 @@ class Collector:
         exploration_type: Any = "random",
         progress: bool = False,
         seed: int | None = None,
-        prefetch: int = 1,
+        prefetch: int = 2,
         shutdown_timeout: float = 5.0,
     ) -> None:
         self.config = CollectorConfig(

@@ -82,7 +82,7 @@ class CollectorConfig:
     """Show a progress bar (tqdm; works in notebooks)."""
     seed: int | None = None
     """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
-    prefetch: int = 1
+    prefetch: int = 2
     """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
     shutdown_timeout: float = 5.0
     """Seconds a worker gets to close its envs and exit before it is killed."""

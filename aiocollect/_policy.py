@@ -142,6 +142,10 @@ class RandomRunner:
         return []
 
 
+def act_leaves_shape(leaves: list[Leaf]) -> tuple[int, ...]:
+    return leaves[0].shape if len(leaves) == 1 else ()
+
+
 def _np_dtype_name(tensor: Any, key: Key) -> str:
     import torch
 
@@ -260,6 +264,9 @@ class ModuleRunner(_TorchRunner):
         super().__init__(*args)
         self.module = module
         self.out_keys = list(out_keys)
+        self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and len(self.act_leaves) == 1
+        self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
+        self.want_dtype = self.act_leaves[0].np_dtype if self.act_leaves else None
         index = {key: i for i, key in enumerate(self.obs_keys)}
         missing = [k for k in in_keys if k not in index]
         if missing:
@@ -269,6 +276,24 @@ class ModuleRunner(_TorchRunner):
                 f"tensordict.nn.TensorDictModule with matching in_keys"
             )
         self.in_idx = [index[k] for k in in_keys]
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if not (self.checked and self.single_out):
+            return super().act(obs)
+        # fast path (a module writing only the action, already checked once): no dict, no copy
+        import torch
+
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
+        else:  # worker processes disable autograd once
+            out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != self.want_shape or out.device.type != "cpu":
+            return self._convert(dict(zip(self.out_keys, out if isinstance(out, tuple) else (out,))))
+        arr = out.numpy()
+        if arr.dtype != self.want_dtype:
+            arr = self._check_action(("action",), out, self.act_leaves[0]).astype(self.want_dtype)
+        return self.env_actions.per_env([arr], self.num_envs), [arr], []
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
         import torch

@@ -110,8 +110,10 @@ class Rollout:
         if cfg.policy.kind != "random" and local_policy is None:
             import torch
 
-            # one intra-op thread per worker: workers are the parallelism, not torch's pool
+            # one intra-op thread per worker: workers are the parallelism, not torch's pool; and
+            # no autograd in a worker process at all (cheaper than a no_grad context per step)
             torch.set_num_threads(1)
+            torch.set_grad_enabled(False)
             if cfg.seed is not None:
                 torch.manual_seed(cfg.seed + cfg.total_envs + cfg.worker)
         self.random_runner = RandomRunner(self.action_spaces, self.act_leaves)
@@ -134,14 +136,16 @@ class Rollout:
         """What the collector needs to lay out the batch (compared across workers)."""
         return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves}
 
-    def _set_obs(self, i: int, obs: Any, checked: bool = False) -> None:
+    def _set_obs(self, i: int, obs: Any, checked: bool = False, into: list[np.ndarray] | None = None) -> None:
+        """Write env ``i``'s observation into row ``i`` of ``into`` (default: the carried obs)."""
+        bufs = self.cur_obs if into is None else into
         if self.single_obs:
             leaf = self.obs_leaves[0]
             if checked or getattr(obs, "shape", None) != leaf.shape:
                 obs = check_value(obs, leaf, f"env {self.env_ids[i]}'s observation")
-            self.cur_obs[0][i] = obs
+            bufs[0][i] = obs
             return
-        for leaf, buf, value in zip(self.obs_leaves, self.cur_obs, self.flatten_obs(obs)):
+        for leaf, buf, value in zip(self.obs_leaves, bufs, self.flatten_obs(obs)):
             buf[i] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation")
 
     def _new_traj(self, i: int) -> None:
@@ -154,7 +158,10 @@ class Rollout:
         """Write one batch of ``frames_per_env`` steps into ``views``; yields after each step so
         the driver can check for a stop request (worker) or let its event loop run (local).
 
-        At the end, :attr:`episodes` lists the episodes that ended in this batch.
+        The observation the policy sees at step ``t`` is read from the slot itself: after the envs
+        step, ``("next", obs)[:, t]`` is copied to ``obs[:, t + 1]`` in one vectorized copy and
+        the rows of envs that were reset are overwritten. At the end, :attr:`episodes` lists the
+        episodes that ended in this batch.
         """
         cfg = self.cfg
         envs, E = self.envs, len(self.envs)
@@ -171,10 +178,13 @@ class Rollout:
         term_buf, trunc_buf = views[("next", "terminated")], views[("next", "truncated")]
         traj_buf = views[("collector", "traj_ids")]
         views[("collector", "policy_version")][...] = version
-        rewards = [0.0] * E
-        terms = [False] * E
-        truncs = [False] * E
-        cur_obs = self.cur_obs
+        for buf, cur in zip(obs_bufs, self.cur_obs):
+            buf[:, 0] = cur
+        first_traj = self.cur_traj.copy()
+        # per-step scalars go to Python lists, written to the slot once per batch (vectorized)
+        rew_rows: list[list[float]] = []
+        term_rows: list[list[bool]] = []
+        trunc_rows: list[list[bool]] = []
         single = self.single_obs
         leaf0 = self.obs_leaves[0]
         shape0 = leaf0.shape
@@ -182,13 +192,11 @@ class Rollout:
         max_len = cfg.max_frames_per_traj
         episodes: list[EpisodeEnd] = []
         ep_ret, ep_len = self.ep_ret, self.ep_len
-        T = views[("collector", "traj_ids")].shape[1]
+        T = traj_buf.shape[1]
         for t in range(T):
-            for buf, cur in zip(obs_bufs, cur_obs):
-                buf[:, t] = cur
-            traj_buf[:, t] = self.cur_traj
+            obs_t = [buf[:, t] for buf in obs_bufs]
             runner = self.random_runner if self.steps < cfg.random_steps else self.runner
-            env_actions, act_arrays, extras = runner.act(cur_obs)
+            env_actions, act_arrays, extras = runner.act(obs_t)
             for buf, arr in zip(act_bufs, act_arrays):
                 buf[:, t] = arr
             if extra_bufs:
@@ -198,6 +206,10 @@ class Rollout:
                 else:  # random frames: the policy did not run
                     for buf in extra_bufs:
                         buf[:, t] = 0
+            resets = []
+            rewards = [0.0] * E
+            terms = [False] * E
+            truncs = [False] * E
             for i in range(E):
                 obs, reward, terminated, truncated, _ = envs[i].step(env_actions[i])
                 if single:
@@ -216,18 +228,29 @@ class Rollout:
                 truncs[i] = truncated
                 if terminated or truncated:
                     episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
-                    obs, _ = envs[i].reset()
-                    self._new_traj(i)
-                    self._set_obs(i, obs)
-                elif single:
-                    cur_obs[0][i] = obs
-                else:
-                    self._set_obs(i, obs)
-            rew_buf[:, t, 0] = rewards
-            term_buf[:, t, 0] = terms
-            trunc_buf[:, t, 0] = truncs
+                    resets.append(i)
+            rew_rows.append(rewards)
+            term_rows.append(terms)
+            trunc_rows.append(truncs)
+            # the next observation of every env: its next obs, or its reset obs after an episode end
+            cur = [buf[:, t + 1] for buf in obs_bufs] if t + 1 < T else self.cur_obs
+            for dst, src in zip(cur, next_bufs):
+                dst[...] = src[:, t]
+            for i in resets:
+                obs, _ = envs[i].reset()
+                self._new_traj(i)
+                self._set_obs(i, obs, into=cur)
             self.steps += 1
             yield
+        rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
+        term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T
+        trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
+        # a new trajectory starts after each episode end: ids advance by total_envs each time
+        ends = term_buf[..., 0] | trunc_buf[..., 0]
+        traj_buf[:, 0] = first_traj
+        np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
+        traj_buf[:, 1:] *= cfg.total_envs
+        traj_buf[:, 1:] += first_traj[:, None]
         self.batches += 1
         self.episodes = episodes
 
