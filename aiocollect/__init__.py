@@ -27,12 +27,18 @@ _EXPORTS = {
     "EndOfCollection": "._errors",
     "split_trajectories": "._split",
     "shutdown_launcher": "._launcher",
+    "CollectorStats": "._collector",
+    "SubscriptionOverflowError": "._bus",
+    "Subscription": "._bus",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._collector import Collector as Collector
+    from ._bus import Subscription as Subscription
+    from ._bus import SubscriptionOverflowError as SubscriptionOverflowError
+    from ._collector import CollectorStats as CollectorStats
     from ._collector import State as State
     from ._config import CollectorConfig as CollectorConfig
     from ._errors import AiocollectError as AiocollectError
@@ -47,6 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("events", "testing"):
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'aiocollect' has no attribute {name!r}")

@@ -8,12 +8,16 @@ import enum
 import time
 import warnings
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Iterator
+import dataclasses
+import inspect
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, TypeVar
 
 import anyio
 import torch
 from tensordict import TensorDict
 
+from . import events as ev
+from ._bus import EventBus, Overflow, Subscription
 from ._config import CollectorConfig
 from ._errors import AiocollectError, CollectorClosedError, EndOfCollection, SpecError
 from ._launcher import get_launcher
@@ -23,6 +27,8 @@ from ._rollout import RolloutConfig
 from ._split import split_trajectories
 from ._systask import spawn_system_task
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+
+E = TypeVar("E", bound=ev.Event)
 
 _ENDLESS = 1 << 62
 _THREAD_COPY_BYTES = 8 << 20  # larger batches are copied out of shared memory in a thread
@@ -120,6 +126,7 @@ class Collector:
         seed: int | None = None,
         prefetch: int = 2,
         shutdown_timeout: float = 5.0,
+        postproc: Callable[[TensorDict], Any] | None = None,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -141,6 +148,7 @@ class Collector:
             seed=seed,
             prefetch=prefetch,
             shutdown_timeout=shutdown_timeout,
+            postproc=postproc,
         )
         self._state = State.CREATED
         self._launch_failed = False
@@ -161,6 +169,8 @@ class Collector:
         self._arrivals: deque[WorkerHandle] = deque()
         self._bar: Any = None
         self._task: Any = None
+        self._bus = EventBus()
+        self._stats = _Stats()
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             needs = PolicySpec("random" if policy is None and policy_factory is None else
@@ -198,6 +208,46 @@ class Collector:
             f"<Collector {c.create_env_fn!r} {self._state.value}: {c.num_workers} workers x "
             f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {self._frames} frames>"
         )
+
+    # -- events ---------------------------------------------------------------------------------
+    def on(self, event_type: type[E], handler: Callable[[E], Any] | None = None) -> Any:
+        """Call ``handler(event)`` (sync or async, awaited in registration order) for each event
+        of ``event_type`` or a subclass (see :mod:`aiocollect.events`). Returns a handle whose
+        ``remove()`` unsubscribes; without ``handler`` it is a decorator.
+
+        Handlers run in the collector's own task, before the batch they concern is delivered: a
+        slow handler slows collection (that is what hooks are for; use :meth:`subscribe` to
+        watch without ever slowing anything). An exception in a handler stops the collector and
+        is raised to the consumer.
+
+        >>> @collector.on(EpisodeEnded)                     # doctest: +SKIP
+        ... def log(event): print(event.ret)
+        """
+        return self._bus.on(event_type, handler)
+
+    def subscribe(
+        self, event_type: type[E], *, max_buffer: int = 1024, overflow: Overflow = "drop_oldest"
+    ) -> Subscription[E]:
+        """A bounded stream of events of ``event_type``: ``async for event in subscription``
+        (ends when the collector stops). A subscriber that falls behind loses events by its
+        ``overflow`` policy (``"drop_oldest"``, ``"drop_newest"`` or ``"error"``, counted in
+        ``subscription.dropped``); it never slows the collector or the other subscribers."""
+        return self._bus.subscribe(event_type, max_buffer=max_buffer, overflow=overflow)
+
+    async def wait_for(self, event_type: type[E], predicate: Callable[[E], bool] | None = None) -> E:
+        """The next event of ``event_type`` that ``predicate`` accepts. Raises
+        :class:`CollectorClosedError` if the collector stops first."""
+        try:
+            return await self._bus.wait_for(event_type, predicate)
+        except anyio.EndOfStream:
+            raise CollectorClosedError(
+                f"the collector stopped before a matching {event_type.__name__} event"
+            ) from None
+
+    def stats(self) -> "CollectorStats":
+        """Counters and timing so far: frames, batches, frames per second, episodes and their
+        mean return, and seconds spent per stage (see :class:`CollectorStats`)."""
+        return self._stats.snapshot(self._frames, self._batches)
 
     # -- seeding and state ------------------------------------------------------------------------
     def _require_created(self, what: str) -> None:
@@ -430,7 +480,18 @@ class Collector:
         try:
             try:
                 async with anyio.create_task_group() as tg:
+                    t_launch = time.perf_counter()
                     await self._launch()
+                    self._stats.start()
+                    for w in self._workers:
+                        await self._emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
+                    await self._emit(
+                        ev.CollectorStarted,
+                        num_workers=self.config.num_workers,
+                        envs_per_worker=self.config.envs_per_worker,
+                        pids=self.worker_pids,
+                        startup_seconds=time.perf_counter() - t_launch,
+                    )
                     self._state = State.RUNNING
                     self._started.set()
                     for w in self._workers:
@@ -443,7 +504,16 @@ class Collector:
                 self._launch_failed = not self._started.is_set()
             finally:
                 await self._stop_workers()
+            reason = "error" if self._error is not None else ("closed" if self._closing else "total_frames")
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._emit(ev.CollectorStopped, reason=reason, frames=self._frames,
+                                     batches=self._batches, error=self._error)
+                except Exception as exc:  # noqa: BLE001 - a handler's error still surfaces
+                    if self._error is None:
+                        self._error = exc
         finally:
+            self._bus.close()
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -541,6 +611,19 @@ class Collector:
     def _run_requested(self) -> int:
         return self._requested
 
+    async def _emit(self, event_type: type[ev.Event], **fields: Any) -> None:
+        """Build and emit an event, only if someone listens (events cost nothing otherwise)."""
+        if self._bus.listens_to(event_type):
+            await self._bus.emit(event_type(**fields))
+
+    async def _raise_failure(self) -> None:
+        error = self._pending_error
+        assert error is not None
+        worker = getattr(error, "worker", None)
+        pid = next((w.pid for w in self._workers if w.index == worker), None)
+        await self._emit(ev.WorkerFailed, worker=-1 if worker is None else worker, pid=pid, error=error)
+        raise error
+
     def _deliverable(self) -> bool:
         if self.config.delivery == "sync":
             return all(w.ready for w in self._workers)
@@ -561,7 +644,7 @@ class Collector:
             if cond():
                 return
             if self._pending_error is not None and not self._deliverable():
-                raise self._pending_error
+                await self._raise_failure()
             await self._wakeup.wait()
 
     async def _produce(self) -> None:
@@ -571,9 +654,13 @@ class Collector:
         workers = self._workers
         sync = c.delivery == "sync"
         produced = 0
+        self._batches_at_start = self._batches
         while produced < remaining:
             if self._pending_error is not None and not self._deliverable():
-                raise self._pending_error
+                await self._raise_failure()
+            index = self._batches_at_start + produced
+            await self._emit(ev.BeforeRollout, index=index)
+            t_wait = time.perf_counter()
             await self._wait(lambda: self._requested + c.prefetch > produced, produced, remaining)
             if sync:
                 await self._wait(lambda: all(w.ready for w in workers), produced, remaining)
@@ -582,6 +669,7 @@ class Collector:
                 await self._wait(lambda: bool(self._arrivals), produced, remaining)
                 w = self._arrivals.popleft()
                 parts = [(w, w.ready.popleft())]
+            t_assemble = time.perf_counter()
             batch = await self._assemble([(w, item[0]) for w, item in parts])
             for w, (slot, _, _) in parts:
                 if self._pending_error is None:
@@ -592,7 +680,26 @@ class Collector:
             self._produced += 1
             if c.split_trajs:
                 batch = split_trajectories(batch)
-            await self._send.send((batch, [(w.index, info) for w, (_, _, info) in parts]))
+            await self._emit(ev.AfterRollout, index=index, batch=batch)
+            if c.postproc is not None:
+                batch = c.postproc(batch)
+                if inspect.isawaitable(batch):
+                    batch = await batch
+            infos = [(w.index, info) for w, (_, _, info) in parts]
+            t_done = time.perf_counter()
+            timing = self._stats.batch(infos, wait=t_assemble - t_wait, delivery=t_done - t_assemble)
+            if self._bus.listens_to(ev.EpisodeEnded):
+                for worker, info in infos:
+                    for env, traj_id, ret, length, terminated in info["episodes"]:
+                        await self._bus.emit(ev.EpisodeEnded(
+                            worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
+                            terminated=terminated, policy_version=info.get("version", 0),
+                        ))
+            await self._emit(
+                ev.BatchReady, index=index, frames=c.frames_per_batch, workers=tuple(w for w, _ in infos),
+                policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
+            )
+            await self._send.send((batch, infos))
         self._stop.set()  # total_frames reached: release the workers now
 
     def _delivered(self, parts: list[tuple[int, dict]]) -> None:
@@ -607,7 +714,7 @@ class Collector:
         self._frames += c.frames_per_batch
         self._batches += 1
         if self._bar is not None:
-            self._bar.update_to(self._frames, time.perf_counter() - self._t0)
+            self._bar.update_to(self._frames, self._stats.mean_return)
 
     async def _assemble(self, parts: list[tuple[WorkerHandle, int]]) -> TensorDict:
         layout: SlotLayout = self._layout
@@ -631,3 +738,65 @@ class Collector:
 
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectorStats:
+    """A snapshot of :meth:`Collector.stats`."""
+
+    frames: int
+    """Frames delivered to consumers."""
+    batches: int
+    """Batches delivered."""
+    seconds: float
+    """Seconds since the workers were ready."""
+    fps: float
+    """Frames collected per second since the workers were ready."""
+    episodes: int
+    """Episodes that ended in collected batches."""
+    mean_return: float | None
+    """Mean return of the last (up to) 100 episodes; ``None`` before the first one ends."""
+    timing: Mapping[str, float]
+    """Seconds per stage since start: ``"env"`` and ``"policy"`` (summed over workers: CPU time
+    in the workers), ``"wait"`` (the collector waiting for workers) and ``"delivery"`` (copying
+    out of shared memory, assembling and post-processing)."""
+
+
+class _Stats:
+    """Running totals for :meth:`Collector.stats` and the progress bar (cheap per batch)."""
+
+    def __init__(self) -> None:
+        self.t0: float | None = None
+        self.episodes = 0
+        self.returns: deque[float] = deque(maxlen=100)
+        self.timing = {"env": 0.0, "policy": 0.0, "wait": 0.0, "delivery": 0.0}
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def batch(self, infos: list[tuple[int, dict]], *, wait: float, delivery: float) -> dict[str, float]:
+        timing = {"env": 0.0, "policy": 0.0, "wait": wait, "delivery": delivery}
+        for _, info in infos:
+            for key, value in info.get("timing", {}).items():
+                timing[key] += value
+            self.episodes += len(info["episodes"])
+            self.returns.extend(e[2] for e in info["episodes"])
+        for key, value in timing.items():
+            self.timing[key] += value
+        return timing
+
+    @property
+    def mean_return(self) -> float | None:
+        return sum(self.returns) / len(self.returns) if self.returns else None
+
+    def snapshot(self, frames: int, batches: int) -> CollectorStats:
+        seconds = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        return CollectorStats(
+            frames=frames,
+            batches=batches,
+            seconds=seconds,
+            fps=frames / seconds if seconds > 0 else 0.0,
+            episodes=self.episodes,
+            mean_return=self.mean_return,
+            timing=dict(self.timing),
+        )

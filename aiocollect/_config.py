@@ -86,6 +86,8 @@ class CollectorConfig:
     """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
     shutdown_timeout: float = 5.0
     """Seconds a worker gets to close its envs and exit before it is killed."""
+    postproc: Callable[[Any], Any] | None = None
+    """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
 
     def __post_init__(self) -> None:
         fn = self.create_env_fn
@@ -144,6 +146,8 @@ class CollectorConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an int or None")
         _positive_int("prefetch", self.prefetch, allow_zero=True)
+        if self.postproc is not None and not callable(self.postproc):
+            raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
         if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
 

@@ -14,7 +14,9 @@ def make_bar(total_frames: int, initial: int) -> Any:
     class Bar(tqdm):  # type: ignore[misc, valid-type]
         monitor_interval = 0  # no monitor thread: nothing may outlive the collector
 
-        def update_to(self, frames: int, elapsed: float) -> None:
+        def update_to(self, frames: int, mean_return: float | None) -> None:
+            if mean_return is not None:
+                self.set_postfix_str(f"return {mean_return:.1f}", refresh=False)
             self.update(frames - self.n)
 
     return Bar(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from typing import Any, Callable, Iterator
 
 import gymnasium as gym
@@ -193,10 +194,17 @@ class Rollout:
         episodes: list[EpisodeEnd] = []
         ep_ret, ep_len = self.ep_ret, self.ep_len
         T = traj_buf.shape[1]
+        clock = time.perf_counter
+        policy_time = env_time = 0.0
+        t_env = clock()
         for t in range(T):
             obs_t = [buf[:, t] for buf in obs_bufs]
             runner = self.random_runner if self.steps < cfg.random_steps else self.runner
+            t_policy = clock()
+            env_time += t_policy - t_env
             env_actions, act_arrays, extras = runner.act(obs_t)
+            t_env = clock()
+            policy_time += t_env - t_policy
             for buf, arr in zip(act_bufs, act_arrays):
                 buf[:, t] = arr
             if extra_bufs:
@@ -242,6 +250,8 @@ class Rollout:
                 self._set_obs(i, obs, into=cur)
             self.steps += 1
             yield
+        env_time += clock() - t_env
+        self.timing = {"env": env_time, "policy": policy_time}
         rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
         term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T
         trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
@@ -253,6 +263,15 @@ class Rollout:
         traj_buf[:, 1:] += first_traj[:, None]
         self.batches += 1
         self.episodes = episodes
+
+    def batch_info(self) -> dict[str, Any]:
+        """What the collector learns with each batch (a small, picklable dict)."""
+        return {
+            "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes],
+            "traj_counters": self.traj_counters,
+            "steps": self.steps,
+            "timing": self.timing,
+        }
 
     def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:
         for _ in self.fill(views, version):

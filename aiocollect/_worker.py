@@ -112,17 +112,8 @@ class Worker:
                 self.handle(self.recv()[0])
             slot = self.free.popleft()
             self.credits -= 1
-            episodes = rollout.run_batch(views[slot], 0, self.tick)
-            self.send((
-                "ready",
-                slot,
-                batch,
-                {
-                    "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in episodes],
-                    "traj_counters": rollout.traj_counters,
-                    "steps": rollout.steps,
-                },
-            ))
+            rollout.run_batch(views[slot], 0, self.tick)
+            self.send(("ready", slot, batch, rollout.batch_info()))
             batch += 1
 
 

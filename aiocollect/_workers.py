@@ -348,12 +348,7 @@ class LocalWorker(WorkerHandle):
             except Exception as exc:
                 on_error(_local_error(exc))
                 return
-            info = {
-                "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in rollout.episodes],
-                "traj_counters": rollout.traj_counters,
-                "steps": rollout.steps,
-            }
-            self.ready.append((slot, batch, info))
+            self.ready.append((slot, batch, rollout.batch_info()))
             batch += 1
             on_ready(self)
 

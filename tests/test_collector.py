@@ -363,7 +363,8 @@ def test_public_names():
     assert set(aiocollect.__all__) == {
         "AiocollectError", "BrokenWorkerError", "Collector", "CollectorClosedError", "CollectorConfig",
         "ConfigError", "EndOfCollection", "SpecError", "State", "WorkerError", "__version__",
-        "shutdown_launcher", "split_trajectories",
+        "shutdown_launcher", "split_trajectories", "CollectorStats", "Subscription",
+        "SubscriptionOverflowError", "events", "testing",
     }
     for name in aiocollect.__all__:
         assert getattr(aiocollect, name) is not None
