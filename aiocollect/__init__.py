@@ -30,6 +30,7 @@ _EXPORTS = {
     "CollectorStats": "._collector",
     "SubscriptionOverflowError": "._bus",
     "Subscription": "._bus",
+    "ProfileConfig": "._profiling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import SpecError as SpecError
     from ._errors import WorkerError as WorkerError
     from ._launcher import shutdown_launcher as shutdown_launcher
+    from ._profiling import ProfileConfig as ProfileConfig
     from ._split import split_trajectories as split_trajectories
 
 

@@ -19,10 +19,11 @@ from tensordict import TensorDict
 from . import events as ev
 from ._bus import EventBus, Overflow, Subscription
 from ._config import CollectorConfig
-from ._errors import AiocollectError, CollectorClosedError, EndOfCollection, SpecError
+from ._errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection, SpecError
 from ._launcher import get_launcher
 from ._layout import Key, SlotLayout, frame_leaves
 from ._policy import PolicySpec, classify, describe
+from ._profiling import ProfileConfig, Recorder
 from ._rollout import RolloutConfig
 from ._split import split_trajectories
 from ._systask import spawn_system_task
@@ -171,6 +172,8 @@ class Collector:
         self._task: Any = None
         self._bus = EventBus()
         self._stats = _Stats()
+        self._profile: ProfileConfig | None = None
+        self._recorder: Recorder | None = None
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             needs = PolicySpec("random" if policy is None and policy_factory is None else
@@ -243,6 +246,42 @@ class Collector:
             raise CollectorClosedError(
                 f"the collector stopped before a matching {event_type.__name__} event"
             ) from None
+
+    def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
+        """Profile chosen workers (and the collector's process) with ``torch.profiler``: pass a
+        :class:`ProfileConfig` or its fields as keywords. Must be called before iteration starts.
+        Each trace file written emits :class:`~aiocollect.events.ProfileTraceReady`.
+
+        >>> collector.enable_profile(workers=[0], num_rollouts=5, warmup_rollouts=2,   # doctest: +SKIP
+        ...                          save_path="traces/worker_{worker_idx}.json")
+        """
+        if self._state is not State.CREATED:
+            raise AiocollectError(
+                "enable_profile() must be called before iteration starts (the collector is "
+                f"{self._state.value}); call it right after constructing the collector"
+            )
+        if config is None:
+            config = ProfileConfig(**kwargs)
+        elif kwargs:
+            config = dataclasses.replace(config, **kwargs)
+        bad = [w for w in config.workers if w >= self.config.workers]
+        if bad:
+            raise ConfigError(
+                f"ProfileConfig.workers={list(config.workers)} names workers {bad}, but this collector has "
+                f"{self.config.workers} (indices 0..{self.config.workers - 1})"
+            )
+        self._profile = config
+        return config
+
+    def disable_profile(self) -> None:
+        """Stop profiling: before start, nothing will be profiled; while running, recordings in
+        progress are dropped without writing a trace."""
+        self._profile = None
+        if self._recorder is not None:
+            self._recorder.abort()
+            self._recorder = None
+        for w in self._workers:
+            w.profile_off()
 
     def stats(self) -> "CollectorStats":
         """Counters and timing so far: frames, batches, frames per second, episodes and their
@@ -513,6 +552,9 @@ class Collector:
                     if self._error is None:
                         self._error = exc
         finally:
+            if self._recorder is not None:
+                self._recorder.abort()
+                self._recorder = None
             self._bus.close()
             if self._bar is not None:
                 self._bar.close()
@@ -555,9 +597,32 @@ class Collector:
                 reset_at_each_iter=c.reset_at_each_iter,
                 traj_counters=counters,
                 start_batch=self._batches if c.delivery == "sync" else 0,
+                profile=self._worker_profile(i),
             )
             for i in range(c.workers)
         ]
+
+    def _worker_profile(self, worker: int) -> tuple[dict, str] | None:
+        p = self._profile
+        if p is None or worker not in p.workers:
+            return None
+        if self.config.num_workers == 0 and p.profile_collector:
+            return None  # one profiler per process: the collector's trace covers the local envs
+        return (p.for_worker(), p.path_for(worker))
+
+    async def _announce_traces(self) -> None:
+        for w in self._workers:
+            while w.traces:
+                await self._trace_ready(w.index, w.traces.pop(0))
+
+    async def _trace_ready(self, worker: int | None, path: str) -> None:
+        event = ev.ProfileTraceReady(worker=worker, path=path)
+        p = self._profile
+        if p is not None and p.on_trace_ready is not None:
+            result = p.on_trace_ready(event)
+            if inspect.isawaitable(result):
+                await result
+        await self._bus.emit(event)
 
     async def _launch(self) -> None:
         c = self.config
@@ -592,6 +657,8 @@ class Collector:
             self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
         else:
             await setup_process_slots(self._workers, self._layout)  # type: ignore[arg-type]
+        if self._profile is not None and self._profile.profile_collector:
+            self._recorder = Recorder(self._profile.for_worker(), self._profile.path_for("collector"))
         if c.progress:
             from ._progress import make_bar
 
@@ -640,6 +707,7 @@ class Collector:
         while True:
             if self._pending_error is None:
                 await self._pump(produced, remaining)
+            await self._announce_traces()
             self._wakeup = anyio.Event()
             if cond():
                 return
@@ -659,6 +727,8 @@ class Collector:
             if self._pending_error is not None and not self._deliverable():
                 await self._raise_failure()
             index = self._batches_at_start + produced
+            if self._recorder is not None:
+                self._recorder.before(produced)
             await self._emit(ev.BeforeRollout, index=index)
             t_wait = time.perf_counter()
             await self._wait(lambda: self._requested + c.prefetch > produced, produced, remaining)
@@ -700,6 +770,10 @@ class Collector:
                 policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
             )
             await self._send.send((batch, infos))
+            if self._recorder is not None and (path := self._recorder.after(produced - 1)) is not None:
+                self._recorder = None
+                await self._trace_ready(None, path)
+            await self._announce_traces()
         self._stop.set()  # total_frames reached: release the workers now
 
     def _delivered(self, parts: list[tuple[int, dict]]) -> None:

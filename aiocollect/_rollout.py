@@ -37,6 +37,7 @@ class RolloutConfig:
     reset_at_each_iter: bool = False
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
     start_batch: int = 0
+    profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
 
 
 def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:

@@ -43,6 +43,7 @@ class Worker:
         self.credits = 0
         self.free: deque[int] = deque()
         self.rollout: Any = None
+        self.recorder: Any = None
         self._next_tick = 0.0
 
     def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
@@ -68,6 +69,10 @@ class Worker:
             self.free.append(msg[1])
         elif op == "stop":
             raise _Stop
+        elif op == "profile_off":
+            if self.recorder is not None:
+                self.recorder.abort()
+                self.recorder.done = True
         else:  # pragma: no cover - protocol error
             raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
 
@@ -107,14 +112,25 @@ class Worker:
         views = [layout.views(mm, s) for s in range(layout.num_slots)]
         self.free.extend(range(layout.num_slots))
         batch = cfg.start_batch
+        if cfg.profile is not None:
+            from ._profiling import Recorder
+
+            self.recorder = Recorder(*cfg.profile)
+        n = 0
         while True:
             while not (self.credits > 0 and self.free):
                 self.handle(self.recv()[0])
             slot = self.free.popleft()
             self.credits -= 1
+            recorder = self.recorder
+            if recorder is not None:
+                recorder.before(n)
             rollout.run_batch(views[slot], 0, self.tick)
             self.send(("ready", slot, batch, rollout.batch_info()))
+            if recorder is not None and (path := recorder.after(n)) is not None:
+                self.send(("trace", path))
             batch += 1
+            n += 1
 
 
 def serve(fd: int) -> None:

@@ -70,11 +70,15 @@ class WorkerHandle:
     def __init__(self, index: int) -> None:
         self.index = index
         self.ready: deque[tuple[int, int, dict]] = deque()  # (slot, worker batch, info)
+        self.traces: list[str] = []  # profiler trace files written, not yet announced
         self.credits_sent = 0
         self.alive = True
 
     async def grant(self, credits: int) -> None:
         raise NotImplementedError
+
+    def profile_off(self) -> None:
+        """Drop a profiler recording in progress (no trace is written)."""
 
     async def release(self, slot: int) -> None:
         raise NotImplementedError
@@ -164,6 +168,9 @@ class ProcessWorker(WorkerHandle):
     async def release(self, slot: int) -> None:
         await self.send(("release", slot))
 
+    def profile_off(self) -> None:
+        self.send_nowait(("profile_off",))
+
     async def serve(self, on_ready: Any, on_error: Any) -> None:
         """Read the worker's messages until it fails (reported with ``on_error``, after every
         batch it completed before) or the task is cancelled."""
@@ -176,6 +183,9 @@ class ProcessWorker(WorkerHandle):
             if msg[0] == "ready":
                 self.ready.append((msg[1], msg[2], msg[3]))
                 on_ready(self)
+            elif msg[0] == "trace":
+                self.traces.append(msg[1])
+                on_ready(None)
             elif msg[0] == "error":
                 on_error(self.error_from(msg))
                 return
@@ -307,6 +317,7 @@ class LocalWorker(WorkerHandle):
         self.credits = 0
         self.free: deque[int] = deque()
         self.wakeup = anyio.Event()
+        self.recorder: Any = None
         try:
             self.rollout = Rollout(cfg, local_policy=policy)
         except BaseException as exc:
@@ -321,6 +332,11 @@ class LocalWorker(WorkerHandle):
     def _wake(self) -> None:
         self.wakeup.set()
 
+    def profile_off(self) -> None:
+        if self.recorder is not None:
+            self.recorder.abort()
+            self.recorder.done = True
+
     async def grant(self, credits: int) -> None:
         self.credits_sent += credits
         self.credits += credits
@@ -332,6 +348,11 @@ class LocalWorker(WorkerHandle):
 
     async def serve(self, on_ready: Any, on_error: Any) -> None:
         batch = self.cfg.start_batch
+        if self.cfg.profile is not None:
+            from ._profiling import Recorder
+
+            self.recorder = Recorder(*self.cfg.profile)
+        n = 0
         while True:
             while not (self.credits > 0 and self.free):
                 self.wakeup = anyio.Event()
@@ -339,6 +360,9 @@ class LocalWorker(WorkerHandle):
             slot = self.free.popleft()
             self.credits -= 1
             rollout = self.rollout
+            recorder = self.recorder
+            if recorder is not None:
+                recorder.before(n)
             deadline = time.perf_counter() + 0.004
             try:
                 for _ in rollout.fill(self.slots.np_views[slot], 0):
@@ -351,11 +375,16 @@ class LocalWorker(WorkerHandle):
             self.ready.append((slot, batch, rollout.batch_info()))
             batch += 1
             on_ready(self)
+            if recorder is not None and (path := recorder.after(n)) is not None:
+                self.traces.append(path)
+            n += 1
 
     async def stop(self, timeout: float) -> None:
         self.stop_nowait()
 
     def stop_nowait(self) -> None:
+        if self.recorder is not None:
+            self.recorder.abort()
         self.rollout.close()
 
 

@@ -364,7 +364,7 @@ def test_public_names():
         "AiocollectError", "BrokenWorkerError", "Collector", "CollectorClosedError", "CollectorConfig",
         "ConfigError", "EndOfCollection", "SpecError", "State", "WorkerError", "__version__",
         "shutdown_launcher", "split_trajectories", "CollectorStats", "Subscription",
-        "SubscriptionOverflowError", "events", "testing",
+        "SubscriptionOverflowError", "events", "testing", "ProfileConfig",
     }
     for name in aiocollect.__all__:
         assert getattr(aiocollect, name) is not None

@@ -1,0 +1,131 @@
+"""Profiling with ``torch.profiler``: in chosen workers (around their rollouts) and in the
+collector's process (around what runs there: assembling batches, hooks, post-processing).
+
+Imported by worker processes: torch only when a profile is actually recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from ._errors import ConfigError
+
+ACTIVITIES = ("cpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile, and where the traces go (Chrome trace JSON: open them in
+    ``chrome://tracing`` or https://ui.perfetto.dev).
+
+    The profiler skips the first ``warmup_rollouts`` batches of each profiled worker, records
+    until ``num_rollouts`` batches have been collected, then writes the trace and emits a
+    :class:`~aiocollect.events.ProfileTraceReady` event.
+    """
+
+    workers: tuple[int, ...] = (0,)
+    """Indices of the workers to profile. The local backend is worker 0, and its envs run in the
+    collector's process: with ``profile_collector`` it gets the collector's single trace (torch
+    allows one profiler per process)."""
+    num_rollouts: int = 5
+    """Batches (per profiled worker) after which profiling stops, warm-up included."""
+    warmup_rollouts: int = 1
+    """Batches skipped before recording starts."""
+    save_path: str = "traces/worker_{worker_idx}.json"
+    """Trace file; ``{worker_idx}`` becomes the worker index (``collector`` for the collector's own
+    process). Relative paths are relative to the collector process's working directory."""
+    activities: tuple[str, ...] = ("cpu",)
+    """``"cpu"`` and/or ``"cuda"``."""
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    profile_collector: bool = True
+    """Also profile the collector's own process over the same batches."""
+    on_trace_ready: Callable[[Any], Any] | None = None
+    """Called (in the collector's process, sync or async) with each ProfileTraceReady event."""
+
+    def __post_init__(self) -> None:
+        workers = (self.workers,) if isinstance(self.workers, int) else tuple(self.workers)
+        object.__setattr__(self, "workers", workers)
+        if any(not isinstance(w, int) or w < 0 for w in workers):
+            raise ConfigError(f"workers={self.workers!r} must be worker indices (ints >= 0)")
+        for name in ("num_rollouts", "warmup_rollouts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an int >= 0")
+        if self.num_rollouts <= self.warmup_rollouts:
+            raise ConfigError(
+                f"num_rollouts={self.num_rollouts} must be greater than warmup_rollouts="
+                f"{self.warmup_rollouts}: nothing would be recorded"
+            )
+        activities = (self.activities,) if isinstance(self.activities, str) else tuple(self.activities)
+        object.__setattr__(self, "activities", activities)
+        bad = [a for a in activities if a not in ACTIVITIES]
+        if bad or not activities:
+            raise ConfigError(f"activities={self.activities!r} must be a non-empty subset of {list(ACTIVITIES)}")
+        if "{worker_idx}" not in self.save_path and len(workers) + int(self.profile_collector) > 1:
+            raise ConfigError(
+                f"save_path={self.save_path!r} needs a '{{worker_idx}}' placeholder: several processes are "
+                f"profiled and would overwrite each other's trace"
+            )
+        if self.on_trace_ready is not None and not callable(self.on_trace_ready):
+            raise ConfigError(f"on_trace_ready={self.on_trace_ready!r} is not callable")
+
+    def path_for(self, worker: int | str) -> str:
+        return os.path.abspath(self.save_path.format(worker_idx=worker))
+
+    def for_worker(self) -> dict[str, Any]:
+        """The picklable part a worker needs."""
+        return {
+            "num_rollouts": self.num_rollouts,
+            "warmup_rollouts": self.warmup_rollouts,
+            "activities": self.activities,
+            "record_shapes": self.record_shapes,
+            "profile_memory": self.profile_memory,
+            "with_stack": self.with_stack,
+            "with_flops": self.with_flops,
+        }
+
+
+class Recorder:
+    """Drives one profiler over a process's batches: ``before(n)`` / ``after(n)`` around batch
+    ``n`` (counted from 0); ``after`` returns the trace path once it is written."""
+
+    def __init__(self, settings: dict[str, Any], path: str) -> None:
+        self.settings = settings
+        self.path = path
+        self.prof: Any = None
+        self.done = False
+
+    def before(self, n: int) -> None:
+        if self.done or self.prof is not None or n != self.settings["warmup_rollouts"]:
+            return
+        import torch.profiler as tp
+
+        kinds = {"cpu": tp.ProfilerActivity.CPU, "cuda": tp.ProfilerActivity.CUDA}
+        self.prof = tp.profile(
+            activities=[kinds[a] for a in self.settings["activities"]],
+            record_shapes=self.settings["record_shapes"],
+            profile_memory=self.settings["profile_memory"],
+            with_stack=self.settings["with_stack"],
+            with_flops=self.settings["with_flops"],
+        )
+        self.prof.__enter__()
+
+    def after(self, n: int) -> str | None:
+        if self.prof is None or n + 1 < self.settings["num_rollouts"]:
+            return None
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        prof.export_chrome_trace(self.path)
+        self.done = True
+        return self.path
+
+    def abort(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)

@@ -1,0 +1,89 @@
+"""Profiling: torch.profiler traces from chosen workers and from the collector's process, valid
+Chrome trace JSON, announced as events; the errors TorchRL users know."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+import torch
+
+from aiocollect import AiocollectError, Collector, ConfigError, ProfileConfig
+from aiocollect.events import ProfileTraceReady
+
+
+class ArgmaxMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def forward(self, obs):
+        return self.net(obs).argmax(-1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_traces_are_written_per_worker_and_for_the_collector_and_announced(tmp_path, num_workers):
+    c = Collector("CartPole-v1", ArgmaxMLP(), frames_per_batch=64, total_frames=64 * 6, num_workers=num_workers, envs_per_worker=2)
+    seen = []
+    profiled = [0, 1] if num_workers else [0]
+    c.enable_profile(workers=profiled, num_rollouts=3, warmup_rollouts=1,
+                     save_path=str(tmp_path / "trace_{worker_idx}.json"), on_trace_ready=seen.append)
+    with c.subscribe(ProfileTraceReady) as sub:
+        with anyio.fail_after(30):
+            async with c:
+                [b async for b in c]
+        events = [e async for e in sub]
+    # the local backend's envs run in the collector's process: one trace (one profiler per process)
+    expected = profiled + [None] if num_workers else [None]
+    assert sorted(map(str, (e.worker for e in events))) == sorted(map(str, expected))
+    assert seen == events
+    for e in events:
+        name = "collector" if e.worker is None else e.worker
+        assert e.path == str(tmp_path / f"trace_{name}.json")
+        with open(e.path) as f:
+            trace = json.load(f)  # Chrome's trace viewer reads JSON with traceEvents
+        assert trace["traceEvents"], e.path
+    with open(tmp_path / ("trace_0.json" if num_workers else "trace_collector.json")) as f:
+        worker_trace = json.load(f)
+    names = {ev.get("name", "") for ev in worker_trace["traceEvents"]}
+    assert any("linear" in n or "addmm" in n for n in names), "the policy's forward passes were recorded"
+
+
+async def test_profile_errors_as_in_torchrl(tmp_path):
+    c = Collector("CartPole-v1", frames_per_batch=8, num_workers=1)
+    with pytest.raises(ConfigError, match="num_rollouts=2 must be greater than warmup_rollouts=2"):
+        c.enable_profile(num_rollouts=2, warmup_rollouts=2)
+    with pytest.raises(ConfigError, match="names workers \\[3\\]"):
+        c.enable_profile(workers=[0, 3])
+    with pytest.raises(ConfigError, match="worker_idx"):
+        c.enable_profile(workers=[0], save_path=str(tmp_path / "one.json"))
+    with pytest.raises(ConfigError, match="activities"):
+        ProfileConfig(activities=("gpu",))
+    async with c:
+        await c.collect()
+        with pytest.raises(AiocollectError, match="before iteration starts"):
+            c.enable_profile()
+
+
+async def test_disable_profile_before_start_records_nothing(tmp_path):
+    c = Collector("CartPole-v1", frames_per_batch=8, total_frames=40, num_workers=1)
+    c.enable_profile(num_rollouts=2, warmup_rollouts=0, save_path=str(tmp_path / "t_{worker_idx}.json"))
+    c.disable_profile()
+    seen = []
+    c.on(ProfileTraceReady, seen.append)
+    async with c:
+        [b async for b in c]
+    assert seen == [] and not list(tmp_path.iterdir())
+
+
+async def test_local_backend_worker_trace_when_the_collector_is_not_profiled(tmp_path):
+    c = Collector("CartPole-v1", ArgmaxMLP(), frames_per_batch=16, total_frames=64, num_workers=0)
+    c.enable_profile(num_rollouts=2, warmup_rollouts=0, profile_collector=False, save_path=str(tmp_path / "w{worker_idx}.json"))
+    seen = []
+    c.on(ProfileTraceReady, seen.append)
+    async with c:
+        [b async for b in c]
+    assert [(e.worker, e.path) for e in seen] == [(0, str(tmp_path / "w0.json"))]
+    with open(seen[0].path) as f:
+        assert json.load(f)["traceEvents"]
