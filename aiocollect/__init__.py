@@ -31,6 +31,12 @@ _EXPORTS = {
     "SubscriptionOverflowError": "._bus",
     "Subscription": "._bus",
     "ProfileConfig": "._profiling",
+    "ReplayBuffer": "._replay",
+    "Sampler": "._samplers",
+    "UniformSampler": "._samplers",
+    "StalenessAwareSampler": "._samplers",
+    "SliceSampler": "._samplers",
+    "SamplingError": "._samplers",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
@@ -51,6 +57,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import WorkerError as WorkerError
     from ._launcher import shutdown_launcher as shutdown_launcher
     from ._profiling import ProfileConfig as ProfileConfig
+    from ._replay import ReplayBuffer as ReplayBuffer
+    from ._samplers import Sampler as Sampler
+    from ._samplers import SamplingError as SamplingError
+    from ._samplers import SliceSampler as SliceSampler
+    from ._samplers import StalenessAwareSampler as StalenessAwareSampler
+    from ._samplers import UniformSampler as UniformSampler
     from ._split import split_trajectories as split_trajectories
 
 

@@ -8,14 +8,17 @@ import enum
 import time
 import warnings
 from collections import deque
+import copy
 import dataclasses
 import inspect
+import os
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, TypeVar
 
 import anyio
 import torch
 from tensordict import TensorDict
 
+from . import _shm
 from . import events as ev
 from ._bus import EventBus, Overflow, Subscription
 from ._config import CollectorConfig
@@ -128,6 +131,7 @@ class Collector:
         prefetch: int = 2,
         shutdown_timeout: float = 5.0,
         postproc: Callable[[TensorDict], Any] | None = None,
+        update_at_each_batch: bool = False,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -150,6 +154,7 @@ class Collector:
             prefetch=prefetch,
             shutdown_timeout=shutdown_timeout,
             postproc=postproc,
+            update_at_each_batch=update_at_each_batch,
         )
         self._state = State.CREATED
         self._launch_failed = False
@@ -174,6 +179,12 @@ class Collector:
         self._stats = _Stats()
         self._profile: ProfileConfig | None = None
         self._recorder: Recorder | None = None
+        self._store: Any = None  # the shared weight store (None: the policy has no weights)
+        self._worker_stores: dict[int, Any] = {}
+        self._version = 0
+        self._acked: list[int] = []
+        self._published_at: dict[int, float] = {}
+        self._ack_event = anyio.Event()
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             needs = PolicySpec("random" if policy is None and policy_factory is None else
@@ -202,8 +213,130 @@ class Collector:
 
     @property
     def policy_version(self) -> int:
-        """Version of the weights the workers collect with (0: the weights given at start)."""
-        return 0
+        """Latest weight version published (0: the weights the policy had at start). Each
+        :meth:`update_weights` adds one."""
+        return self._version
+
+    @property
+    def worker_versions(self) -> tuple[int, ...]:
+        """Per worker, the weight version it acknowledged applying (at a batch boundary)."""
+        return tuple(self._acked)
+
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Any = None,
+        model_id: str = "policy",
+        wait: bool = True,
+    ) -> int:
+        """Publish new policy weights to the workers; returns the new version.
+
+        ``policy_or_weights``: an ``nn.Module`` / ``TensorDictModule`` (its current weights, on
+        whatever device it is now), a ``TensorDict`` of parameters
+        (``TensorDict.from_module(policy)``), a state dict, or ``None`` for the weights of the
+        ``policy`` given to the constructor. They are copied once into shared memory; each
+        worker applies the newest complete version at its next batch boundary (never within a
+        batch, never half-written; an idle worker at once) and every frame it collects after
+        that carries the version in ``("collector", "policy_version")``.
+
+        ``worker_ids`` limits the update to some workers (the others keep their weights).
+        ``wait=True`` returns once every targeted worker applied it; ``wait=False`` at once.
+        Emits :class:`~aiocollect.events.WeightsUpdated`, then one
+        :class:`~aiocollect.events.WeightsApplied` per worker (with its latency).
+        """
+        if model_id != "policy":
+            raise ValueError(
+                f"model_id={model_id!r}: the workers hold one model, 'policy' (several models per worker "
+                f"are not supported yet)"
+            )
+        if self._state is State.CREATED:
+            await self.start()
+        if self._state is not State.RUNNING:
+            raise CollectorClosedError(f"update_weights() on a collector that is {self._state.value}")
+        if self._store is None:
+            raise AiocollectError(
+                "the workers' policy has no weights to update (random actions, or a policy that is not an nn.Module)"
+            )
+        if policy_or_weights is None:
+            if self.config.policy is None:
+                raise ValueError("update_weights() needs weights: this collector was built with policy_factory")
+            policy_or_weights = self.config.policy
+        targets = self._targets(worker_ids)
+        version = await self._publish(policy_or_weights, targets)
+        if wait:
+            while any(self._acked[w] < version for w in targets):
+                if self._state is not State.RUNNING:
+                    if self._error is not None:
+                        raise self._error
+                    raise CollectorClosedError(f"the collector stopped before workers applied version {version}")
+                self._ack_event = event = anyio.Event()
+                with anyio.move_on_after(0.5):  # re-check the state now and then
+                    await event.wait()
+        return version
+
+    def _targets(self, worker_ids: Any) -> list[int]:
+        n = self.config.workers
+        if worker_ids is None:
+            return list(range(n))
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        bad = [w for w in ids if not isinstance(w, int) or not 0 <= w < n]
+        if bad or not ids:
+            raise ValueError(f"worker_ids={worker_ids!r}: this collector has workers 0..{n - 1}")
+        return sorted(set(ids))
+
+    async def _publish(self, policy_or_weights: Any, targets: list[int]) -> int:
+        from ._weights import match_state, state_of
+
+        state = match_state(state_of(policy_or_weights), self._store.layout)
+        self._version += 1
+        version = self._version
+        self._published_at[version] = time.perf_counter()
+        if len(targets) == self.config.workers:
+            self._store.publish(state, version)
+        else:
+            for w in targets:
+                (await self._worker_store(w)).publish(state, version)
+        workers = {w.index: w for w in self._workers}
+        for w in targets:
+            workers[w].nudge()
+        await self._emit(ev.WeightsUpdated, version=version, model_id="policy", workers=tuple(targets))
+        return version
+
+    async def _worker_store(self, index: int) -> Any:
+        store = self._worker_stores.get(index)
+        if store is None:
+            store = self._new_store(self._store.layout, f"w{index}-weights")
+            worker = next(w for w in self._workers if w.index == index)
+            try:
+                await worker.give_store(store)
+            finally:
+                self._close_store_fds()
+            self._worker_stores[index] = store
+        return store
+
+    def _new_store(self, layout: Any, name: str) -> Any:
+        from ._weights import WeightStore
+
+        if self.config.num_workers == 0:
+            store = WeightStore.create(layout, bytearray(layout.nbytes))
+            store.fd = None
+            return store
+        fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-{name}")
+        store = WeightStore.create(layout, mm)
+        store.fd = fd  # closed once the workers have it
+        self._store_fds.append(fd)
+        return store
+
+    async def _on_applied(self, worker: WorkerHandle, version: int) -> None:
+        if version > self._acked[worker.index]:
+            self._acked[worker.index] = version
+        self._ack_event.set()
+        published = self._published_at.get(version)
+        await self._emit(
+            ev.WeightsApplied, version=version, worker=worker.index,
+            latency=0.0 if published is None else time.perf_counter() - published,
+        )
 
     def __repr__(self) -> str:
         c = self.config
@@ -534,7 +667,7 @@ class Collector:
                     self._state = State.RUNNING
                     self._started.set()
                     for w in self._workers:
-                        tg.start_soon(w.serve, self._wake, self._worker_failed)
+                        tg.start_soon(w.serve, self._wake, self._worker_failed, self._on_applied)
                     tg.start_soon(self._produce)
                     await self._stop.wait()
                     tg.cancel_scope.cancel()
@@ -565,7 +698,16 @@ class Collector:
             self._started.set()
             self._done.set()
 
+    def _close_store_fds(self) -> None:
+        for fd in getattr(self, "_store_fds", ()):
+            os.close(fd)
+        self._store_fds = []
+
     async def _stop_workers(self) -> None:
+        self._close_store_fds()
+        self._store = None  # unmapped once nothing refers to it
+        self._worker_stores.clear()
+        self._ack_event.set()
         workers, self._workers = self._workers, []
         self._keep_pids = tuple(w.pid for w in workers if w.pid is not None)
         try:
@@ -630,7 +772,9 @@ class Collector:
             if c.policy is None and c.policy_factory is None:
                 spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
             else:
-                policy = c.policy if c.policy is not None else c.policy_factory()  # type: ignore[misc]
+                # a replica, as in a worker: the caller's module may change under training (the
+                # local rollout yields to the loop mid-batch), weights change only by update_weights
+                policy = copy.deepcopy(c.policy) if c.policy is not None else c.policy_factory()  # type: ignore[misc]
                 spec = PolicySpec("local", exploration_type=c.exploration_type)
             local = LocalWorker(self._rollout_configs(spec)[0], policy)
             self._workers = [local]
@@ -653,10 +797,20 @@ class Collector:
                 )
         leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
         self._layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
-        if c.num_workers == 0:
-            self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
-        else:
-            await setup_process_slots(self._workers, self._layout)  # type: ignore[arg-type]
+        self._acked = [0] * len(self._workers)
+        self._store_fds: list[int] = []
+        weights = specs[0].get("weights")
+        if weights is not None:
+            self._store = self._new_store(weights, "weights")
+        try:
+            if c.num_workers == 0:
+                self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
+                if self._store is not None:
+                    await self._workers[0].give_store(self._store)
+            else:
+                await setup_process_slots(self._workers, self._layout, self._store)  # type: ignore[arg-type]
+        finally:
+            self._close_store_fds()
         if self._profile is not None and self._profile.profile_collector:
             self._recorder = Recorder(self._profile.for_worker(), self._profile.path_for("collector"))
         if c.progress:
@@ -669,6 +823,13 @@ class Collector:
         """Grant workers the credits they may collect with now."""
         if self.config.delivery == "sync":
             target = min(remaining, self._run_requested() + self.config.prefetch)
+            if (
+                self.config.update_at_each_batch
+                and self._store is not None
+                and any(w.credits_sent < target for w in self._workers)
+            ):
+                # pulled right before the workers may start the next batch(es)
+                await self._publish(self.config.policy, list(range(self.config.workers)))
         else:
             target = remaining
         for w in self._workers:
@@ -727,6 +888,8 @@ class Collector:
             if self._pending_error is not None and not self._deliverable():
                 await self._raise_failure()
             index = self._batches_at_start + produced
+            if c.update_at_each_batch and self._store is not None and not sync:
+                await self._publish(c.policy, list(range(c.workers)))
             if self._recorder is not None:
                 self._recorder.before(produced)
             await self._emit(ev.BeforeRollout, index=index)

@@ -88,6 +88,8 @@ class CollectorConfig:
     """Seconds a worker gets to close its envs and exit before it is killed."""
     postproc: Callable[[Any], Any] | None = None
     """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
+    update_at_each_batch: bool = False
+    """Publish the weights of ``policy`` (the collector's reference) before each batch."""
 
     def __post_init__(self) -> None:
         fn = self.create_env_fn
@@ -146,6 +148,11 @@ class CollectorConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an int or None")
         _positive_int("prefetch", self.prefetch, allow_zero=True)
+        if self.update_at_each_batch and self.policy is None:
+            raise ConfigError(
+                "update_at_each_batch=True pulls the weights of `policy` before each batch, but no policy "
+                "was given; pass the policy module (policy_factory builds replicas in the workers only)"
+            )
         if self.postproc is not None and not callable(self.postproc):
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
         if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):

@@ -122,6 +122,7 @@ class RandomRunner:
     same actions whatever the number of workers)."""
 
     uses_torch = False
+    model = None  # no weights to synchronise
 
     def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
         self.spaces = action_spaces
@@ -262,7 +263,10 @@ class ModuleRunner(_TorchRunner):
 
     def __init__(self, module: Callable, in_keys: tuple[Key, ...], out_keys: tuple[Key, ...], *args: Any) -> None:
         super().__init__(*args)
+        import torch
+
         self.module = module
+        self.model = module if isinstance(module, torch.nn.Module) else None
         self.out_keys = list(out_keys)
         self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and len(self.act_leaves) == 1
         self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
@@ -315,9 +319,11 @@ class TensorDictRunner(_TorchRunner):
 
     def __init__(self, policy: Callable, exploration_type: str, *args: Any) -> None:
         super().__init__(*args)
+        import torch
         from tensordict.nn import InteractionType
 
         self.policy = policy
+        self.model = policy if isinstance(policy, torch.nn.Module) else None
         self.interaction = InteractionType(exploration_type)
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:

@@ -125,6 +125,15 @@ class Rollout:
         self.extra_leaves = self.runner.probe(self.cur_obs)
         self.steps = 0
         self.batches = 0
+        self.version = 0  # of the weights the policy has now
+        model = getattr(self.runner, "model", None)
+        self.weight_targets = dict(model.state_dict()) if model is not None else {}
+        if self.weight_targets:
+            from ._weights import WeightLayout
+
+            self.weight_layout: Any = WeightLayout.of(self.weight_targets)
+        else:
+            self.weight_layout = None
 
     def _seeds(self) -> list[int | None]:
         cfg = self.cfg
@@ -136,7 +145,17 @@ class Rollout:
 
     def spec(self) -> dict[str, Any]:
         """What the collector needs to lay out the batch (compared across workers)."""
-        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves}
+        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves, "weights": self.weight_layout}
+
+    def apply_weights(self, stores: list[Any]) -> int | None:
+        """At a batch boundary: take the newest complete version in ``stores``; returns it if
+        it changed the policy."""
+        applied = None
+        for store in stores:
+            version = store.read_into(self.weight_targets, self.version)
+            if version is not None:
+                self.version = applied = version
+        return applied
 
     def _set_obs(self, i: int, obs: Any, checked: bool = False, into: list[np.ndarray] | None = None) -> None:
         """Write env ``i``'s observation into row ``i`` of ``into`` (default: the carried obs)."""
@@ -272,6 +291,7 @@ class Rollout:
             "traj_counters": self.traj_counters,
             "steps": self.steps,
             "timing": self.timing,
+            "version": self.version,
         }
 
     def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:

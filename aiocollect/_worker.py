@@ -44,6 +44,7 @@ class Worker:
         self.free: deque[int] = deque()
         self.rollout: Any = None
         self.recorder: Any = None
+        self.stores: list[Any] = []
         self._next_tick = 0.0
 
     def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
@@ -61,7 +62,13 @@ class Worker:
             raise _Stop
         return got
 
-    def handle(self, msg: Any) -> None:
+    def apply_weights(self) -> None:
+        if self.stores:
+            version = self.rollout.apply_weights(self.stores)
+            if version is not None:
+                self.send(("applied", version, time.time()))
+
+    def handle(self, msg: Any, fds: list[int] = ()) -> None:  # type: ignore[assignment]
         op = msg[0]
         if op == "credit":
             self.credits += msg[1]
@@ -69,6 +76,13 @@ class Worker:
             self.free.append(msg[1])
         elif op == "stop":
             raise _Stop
+        elif op == "weights":  # new weights: applied now if idle, else at the batch boundary
+            pass
+        elif op == "store":  # a store of this worker's own (per-worker weights)
+            from ._weights import map_store
+
+            self.stores.append(map_store(fds[0], msg[1]))
+            os.close(fds[0])
         elif op == "profile_off":
             if self.recorder is not None:
                 self.recorder.abort()
@@ -90,7 +104,7 @@ class Worker:
                 raise _Stop from None
             if not peek:
                 raise _Stop
-            self.handle(self.recv()[0])
+            self.handle(*self.recv())
 
     def run(self) -> None:
         import cloudpickle
@@ -103,9 +117,13 @@ class Worker:
         self.rollout = rollout = Rollout(cfg)
         self.send(("spec", rollout.spec()))
         msg, fds = self.recv()
-        layout = msg[1]
+        layout, weight_layout = msg[1], msg[2]
         try:
             mm = mmap.mmap(fds[0], layout.nbytes)
+            if weight_layout is not None:
+                from ._weights import map_store
+
+                self.stores.append(map_store(fds[1], weight_layout))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -119,13 +137,15 @@ class Worker:
         n = 0
         while True:
             while not (self.credits > 0 and self.free):
-                self.handle(self.recv()[0])
+                self.handle(*self.recv())
+                self.apply_weights()
+            self.apply_weights()  # a batch boundary: the only place weights change
             slot = self.free.popleft()
             self.credits -= 1
             recorder = self.recorder
             if recorder is not None:
                 recorder.before(n)
-            rollout.run_batch(views[slot], 0, self.tick)
+            rollout.run_batch(views[slot], rollout.version, self.tick)
             self.send(("ready", slot, batch, rollout.batch_info()))
             if recorder is not None and (path := recorder.after(n)) is not None:
                 self.send(("trace", path))

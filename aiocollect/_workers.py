@@ -171,7 +171,14 @@ class ProcessWorker(WorkerHandle):
     def profile_off(self) -> None:
         self.send_nowait(("profile_off",))
 
-    async def serve(self, on_ready: Any, on_error: Any) -> None:
+    async def give_store(self, store: Any) -> None:
+        await self.send(("store", store.layout), (store.fd,))
+
+    def nudge(self) -> None:
+        """New weights are published: an idle worker applies them now."""
+        self.send_nowait(("weights",))
+
+    async def serve(self, on_ready: Any, on_error: Any, on_applied: Any) -> None:
         """Read the worker's messages until it fails (reported with ``on_error``, after every
         batch it completed before) or the task is cancelled."""
         while True:
@@ -186,6 +193,8 @@ class ProcessWorker(WorkerHandle):
             elif msg[0] == "trace":
                 self.traces.append(msg[1])
                 on_ready(None)
+            elif msg[0] == "applied":
+                await on_applied(self, msg[1])
             elif msg[0] == "error":
                 on_error(self.error_from(msg))
                 return
@@ -296,11 +305,13 @@ async def start_process_workers(
         raise
 
 
-async def setup_process_slots(workers: list[ProcessWorker], layout: SlotLayout) -> None:
+async def setup_process_slots(workers: list[ProcessWorker], layout: SlotLayout, store: Any = None) -> None:
+    """Give each worker its slots (and the shared weight store, if the policy has weights)."""
     for w in workers:
         fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-w{w.index}")
+        fds = (fd,) if store is None else (fd, store.fd)
         try:
-            await w.send(("layout", layout), (fd,))
+            await w.send(("layout", layout, None if store is None else store.layout), fds)
         finally:
             os.close(fd)
         w.mm = mm
@@ -318,6 +329,7 @@ class LocalWorker(WorkerHandle):
         self.free: deque[int] = deque()
         self.wakeup = anyio.Event()
         self.recorder: Any = None
+        self.stores: list[Any] = []
         try:
             self.rollout = Rollout(cfg, local_policy=policy)
         except BaseException as exc:
@@ -346,7 +358,19 @@ class LocalWorker(WorkerHandle):
         self.free.append(slot)
         self._wake()
 
-    async def serve(self, on_ready: Any, on_error: Any) -> None:
+    def nudge(self) -> None:
+        self._wake()
+
+    async def give_store(self, store: Any) -> None:
+        self.stores.append(store)
+
+    async def _apply_weights(self, on_applied: Any) -> None:
+        if self.stores:
+            version = self.rollout.apply_weights(self.stores)
+            if version is not None:
+                await on_applied(self, version)
+
+    async def serve(self, on_ready: Any, on_error: Any, on_applied: Any) -> None:
         batch = self.cfg.start_batch
         if self.cfg.profile is not None:
             from ._profiling import Recorder
@@ -356,7 +380,9 @@ class LocalWorker(WorkerHandle):
         while True:
             while not (self.credits > 0 and self.free):
                 self.wakeup = anyio.Event()
+                await self._apply_weights(on_applied)
                 await self.wakeup.wait()
+            await self._apply_weights(on_applied)  # a batch boundary: the only place weights change
             slot = self.free.popleft()
             self.credits -= 1
             rollout = self.rollout
@@ -365,7 +391,7 @@ class LocalWorker(WorkerHandle):
                 recorder.before(n)
             deadline = time.perf_counter() + 0.004
             try:
-                for _ in rollout.fill(self.slots.np_views[slot], 0):
+                for _ in rollout.fill(self.slots.np_views[slot], rollout.version):
                     if time.perf_counter() > deadline:
                         await anyio.sleep(0)
                         deadline = time.perf_counter() + 0.004

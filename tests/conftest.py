@@ -46,6 +46,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def launcher_with_test_imports():
+    """Test modules import tensordict, and workers unpickling envs or policies defined in a test
+    module import that module: let the launcher import tensordict once, so that each worker
+    forked from it does not pay for it again."""
+    from aiocollect._launcher import get_launcher
+
+    get_launcher().ensure_started(("torch", "tensordict"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Each test must leave no worker process, no shared memory and no extra thread."""

@@ -364,7 +364,8 @@ def test_public_names():
         "AiocollectError", "BrokenWorkerError", "Collector", "CollectorClosedError", "CollectorConfig",
         "ConfigError", "EndOfCollection", "SpecError", "State", "WorkerError", "__version__",
         "shutdown_launcher", "split_trajectories", "CollectorStats", "Subscription",
-        "SubscriptionOverflowError", "events", "testing", "ProfileConfig",
+        "SubscriptionOverflowError", "events", "testing", "ProfileConfig", "ReplayBuffer", "Sampler",
+        "UniformSampler", "StalenessAwareSampler", "SliceSampler", "SamplingError",
     }
     for name in aiocollect.__all__:
         assert getattr(aiocollect, name) is not None
