@@ -46,7 +46,9 @@ async def test_no_frame_carries_a_version_whose_weights_it_was_not_collected_wit
     async with Collector(counting, policy, frames_per_batch=16, total_frames=16 * 40, num_workers=num_workers,
                          envs_per_worker=2, delivery=delivery) as c:
         async def updater():
-            for version in range(1, 30):
+            version = 0
+            while True:  # until the collection is over
+                version += 1
                 with torch.no_grad():
                     net.w.fill_(version)
                 assert await c.update_weights(net, wait=False) == version
@@ -56,6 +58,8 @@ async def test_no_frame_carries_a_version_whose_weights_it_was_not_collected_wit
             tg.start_soon(updater)
             async for batch in c:
                 frames.append(batch)
+                if len(frames) == 39:  # stop updating before the collector stops
+                    tg.cancel_scope.cancel()
     data = torch.cat([b.reshape(-1) for b in frames])
     version = data["collector", "policy_version"]
     wrong = data["weight_id"] != version.float()
