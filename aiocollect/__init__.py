@@ -37,6 +37,11 @@ _EXPORTS = {
     "StalenessAwareSampler": "._samplers",
     "SliceSampler": "._samplers",
     "SamplingError": "._samplers",
+    "Evaluator": "._evaluator",
+    "EvaluatorConfig": "._evaluator",
+    "EvaluatorState": "._evaluator",
+    "EvaluatorBusyError": "._evaluator",
+    "EvaluatorClosedError": "._evaluator",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
@@ -56,6 +61,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import SpecError as SpecError
     from ._errors import WorkerError as WorkerError
     from ._launcher import shutdown_launcher as shutdown_launcher
+    from ._evaluator import Evaluator as Evaluator
+    from ._evaluator import EvaluatorBusyError as EvaluatorBusyError
+    from ._evaluator import EvaluatorClosedError as EvaluatorClosedError
+    from ._evaluator import EvaluatorConfig as EvaluatorConfig
+    from ._evaluator import EvaluatorState as EvaluatorState
     from ._profiling import ProfileConfig as ProfileConfig
     from ._replay import ReplayBuffer as ReplayBuffer
     from ._samplers import Sampler as Sampler

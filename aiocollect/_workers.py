@@ -256,7 +256,14 @@ class ProcessWorker(WorkerHandle):
     async def stop(self, timeout: float) -> None:
         """Ask the worker to close its envs and exit; kill it after ``timeout`` seconds."""
         if self.pid is not None:
-            if self.eof or not self.send_nowait(("stop",)) or not await self.wait_exit(timeout):
+            # end-of-file is the stop request: unlike a message, it cannot land inside a message
+            # whose sending was interrupted (cancelled) half-way
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+                asked = True
+            except OSError:
+                asked = False
+            if self.eof or not asked or not await self.wait_exit(timeout):
                 self.kill()
                 if not await self.wait_exit(5.0):  # pragma: no cover - unkillable (D state)
                     raise RuntimeError(f"worker {self.index} (pid {self.pid}) did not exit after SIGKILL")

@@ -365,7 +365,8 @@ def test_public_names():
         "ConfigError", "EndOfCollection", "SpecError", "State", "WorkerError", "__version__",
         "shutdown_launcher", "split_trajectories", "CollectorStats", "Subscription",
         "SubscriptionOverflowError", "events", "testing", "ProfileConfig", "ReplayBuffer", "Sampler",
-        "UniformSampler", "StalenessAwareSampler", "SliceSampler", "SamplingError",
+        "UniformSampler", "StalenessAwareSampler", "SliceSampler", "SamplingError", "Evaluator",
+        "EvaluatorConfig", "EvaluatorState", "EvaluatorBusyError", "EvaluatorClosedError",
     }
     for name in aiocollect.__all__:
         assert getattr(aiocollect, name) is not None

@@ -1,0 +1,323 @@
+"""The evaluator's worker process: runs whole episodes with a replica of the policy and reports
+each episode's return and length.
+
+Forked by the launcher (entry ``aiocollect._eval_worker:serve``) and talked to over one Unix
+socket with small messages (:mod:`aiocollect._wire`); weights arrive as a state dict pickled in
+the ``evaluate`` message. Protocol (``P`` parent, ``W`` worker)::
+
+    W: ("hello", pid)
+    P: ("config", cloudpickle(EvalWorkerConfig))
+    W: ("ready",)                        or ("error", packed exception, traceback): it then exits
+    P: ("evaluate", id, weights, n)      weights: None or (kind, {name: tensor})
+    W: ("result", id, returns, lengths)  or ("failed", id, packed exception, traceback)
+    P: ("abort", id)                     the caller gave up: W answers ("aborted", id)
+
+An evaluation that fails leaves the worker usable (the next one resets every env). The worker
+exits when the parent's end of the socket closes (``shutdown(SHUT_WR)`` is how the evaluator asks
+it to stop: it works even in the middle of a message), checking every few milliseconds while it
+runs episodes, or when the launcher it was forked from dies (SIGKILL by the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from . import _wire
+from ._errors import SpecError
+from ._layout import action_leaves, check_value, flattener, observation_leaves
+from ._rollout import make_env
+from ._worker import pack_exception
+
+_TICK = 0.02  # seconds between checks for a stop or abort request while running episodes
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalWorkerConfig:
+    """What the worker needs (sent once, with cloudpickle)."""
+
+    env_fn: Any  # a gymnasium id or a callable returning a gymnasium.Env
+    env_kwargs: dict
+    policy_mode: str  # "random", "object" (payload is the policy) or "factory" (payload builds it)
+    policy_payload: Any
+    exploration_type: str
+    num_envs: int
+    max_steps: int | None
+    seed: int | None
+    nice: int = 0
+
+
+class _Stop(Exception):
+    """The parent closed its end of the socket: exit."""
+
+
+class _Abort(Exception):
+    """The parent gave up on the evaluation in progress."""
+
+
+class EvalWorker:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.envs: list[Any] = []
+        self.current: int | None = None  # id of the evaluation in progress
+        self._next_tick = 0.0
+
+    # -- messages ---------------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        try:
+            _wire.send_blocking(self.sock, msg)
+        except OSError:  # the parent is gone
+            raise _Stop from None
+
+    def recv(self) -> Any:
+        try:
+            got = _wire.recv_blocking(self.sock)
+        except OSError:
+            got = None
+        if got is None:
+            raise _Stop
+        return got[0]
+
+    def tick(self) -> None:
+        """Between steps: honour a stop (end of file) or an abort of the evaluation in progress."""
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + _TICK
+        while True:
+            try:
+                peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _Stop from None
+            if not peek:
+                raise _Stop
+            msg = self.recv()
+            if msg[0] == "abort" and msg[1] == self.current:
+                raise _Abort
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def setup(self, cfg: EvalWorkerConfig) -> None:
+        import cloudpickle
+
+        self.cfg = cfg
+        if cfg.nice:
+            os.nice(cfg.nice)
+        for _ in range(cfg.num_envs):
+            self.envs.append(make_env(cfg.env_fn, cfg.env_kwargs))
+        first = self.envs[0]
+        self.obs_space, self.act_space = first.observation_space, first.action_space
+        for i, env in enumerate(self.envs[1:], 1):
+            if env.observation_space != self.obs_space or env.action_space != self.act_space:
+                raise SpecError(
+                    f"eval env {i} has spaces {env.observation_space}, {env.action_space}, but env 0 has "
+                    f"{self.obs_space}, {self.act_space}: every env of the evaluator must share its spaces"
+                )
+        self.obs_leaves = observation_leaves(self.obs_space)
+        self.act_leaves = action_leaves(self.act_space)
+        self.flatten_obs = flattener(self.obs_space, "observation")
+        self.obs = [np.zeros((cfg.num_envs,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+        self.action_spaces = [copy.deepcopy(env.action_space) for env in self.envs]
+
+        self.root: Any = None  # the policy object weights are loaded into
+        self.inner: Any = None  # what the runner calls (the root, or its unwrapped module)
+        self.initial: dict | None = None  # the weights the policy was built with, once replaced
+        self.uses_torch = cfg.policy_mode != "random"
+        if self.uses_torch:
+            import torch
+
+            # one intra-op thread: the evaluator must not take the training loop's cores; and no
+            # autograd in this process at all
+            torch.set_num_threads(1)
+            torch.set_grad_enabled(False)
+            payload = cloudpickle.loads(cfg.policy_payload)
+            self.root = payload() if cfg.policy_mode == "factory" else payload
+            if isinstance(self.root, torch.nn.Module):
+                self.root.eval()  # evaluation: dropout off, batch norm on its running statistics
+        self.runner = self._build_runner()
+        for i in range(cfg.num_envs):  # real observations to check the env and the policy with
+            self._start_episode(i, i)
+        self.runner.probe(self.obs)  # a policy that does not fit fails here, at start (RNG untouched)
+
+    def _build_runner(self) -> Any:
+        from ._policy import ModuleRunner, RandomRunner, TensorDictRunner, classify
+
+        if not self.uses_torch:
+            return RandomRunner(self.action_spaces, self.act_leaves)
+        kind, fn, in_keys, out_keys = classify(self.root)
+        self.inner = fn
+        common = (self.act_space, self.act_leaves, self.obs_leaves, self.cfg.num_envs)
+        if kind == "module":
+            return ModuleRunner(fn, in_keys, out_keys, *common)
+        return TensorDictRunner(fn, self.cfg.exploration_type, *common)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def load_weights(self, weights: tuple[str, dict] | None) -> None:
+        """Load ``(kind, state)`` into the policy; ``None``: the weights it was built with."""
+        if weights is None:
+            if self.initial is not None:
+                self._load(self.initial, "state_dict")
+                self.initial = None
+            return
+        import torch
+
+        if not isinstance(self.root, torch.nn.Module):
+            what = "a random policy (policy=None)" if self.root is None else f"a {type(self.root).__name__}"
+            raise TypeError(
+                f"weights were given, but the evaluator's policy is {what}, not a torch.nn.Module "
+                f"that could load them; pass weights=None, or build the Evaluator with an nn.Module policy"
+            )
+        if self.initial is None:
+            self.initial = {k: v.clone() for k, v in self.root.state_dict().items()}
+        kind, state = weights
+        self._load(state, kind)
+
+    def _load(self, state: dict, kind: str) -> None:
+        import torch
+
+        # the root first; a simple TensorDictModule runs its inner module, whose names lack the
+        # "module." prefix: weights of either fit
+        targets = [self.root]
+        if isinstance(self.inner, torch.nn.Module) and self.inner is not self.root:
+            targets.append(self.inner)
+        given = set(state)
+        mismatch = ""
+        for target in targets:
+            required = set(target.state_dict().keys())
+            allowed = required
+            if kind == "params":  # TensorDict.from_module also holds non-persistent buffers
+                allowed = required | {name for name, _ in target.named_buffers()}
+            missing, unexpected = sorted(required - given), sorted(given - allowed)
+            if not missing and not unexpected:
+                target.load_state_dict({k: v for k, v in state.items() if k in required})
+                return
+            if not mismatch:
+                mismatch = f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+        raise SpecError(
+            f"the weights do not fit the evaluator's policy {type(self.root).__name__} ({mismatch}); pass "
+            f"the policy module itself, its state_dict() or TensorDict.from_module(policy)"
+        )
+
+    # -- episodes ---------------------------------------------------------------------------------
+    def _start_episode(self, i: int, episode: int) -> None:
+        seed = self.cfg.seed
+        obs, _ = self.envs[i].reset(seed=None if seed is None else seed + episode)
+        if seed is not None and not self.uses_torch:
+            self.action_spaces[i].seed(seed + episode)
+        self._set_obs(i, obs)
+
+    def _set_obs(self, i: int, obs: Any) -> None:
+        if len(self.obs_leaves) == 1:
+            self.obs[0][i] = check_value(obs, self.obs_leaves[0], f"eval env {i}'s observation")
+            return
+        for leaf, buf, value in zip(self.obs_leaves, self.obs, self.flatten_obs(obs)):
+            buf[i] = check_value(value, leaf, f"eval env {i}'s observation")
+
+    def evaluate(self, n: int) -> tuple[list[float], list[int]]:
+        """Run ``n`` episodes; episode ``j`` starts with ``reset(seed=seed + j)`` on whichever env
+        is free, so the results do not depend on the number of envs."""
+        cfg = self.cfg
+        if self.uses_torch and cfg.seed is not None:
+            import torch
+
+            torch.manual_seed(cfg.seed)
+        returns = [0.0] * n
+        lengths = [0] * n
+        running: dict[int, int] = {}  # env -> episode
+        started = 0
+        for i in range(min(len(self.envs), n)):
+            self._start_episode(i, started)
+            running[i] = started
+            started += 1
+        max_steps = cfg.max_steps
+        while running:
+            self.tick()
+            actions = self.runner.act(self.obs)[0]
+            for i, episode in list(running.items()):
+                obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
+                returns[episode] += float(reward)
+                lengths[episode] += 1
+                if terminated or truncated or (max_steps is not None and lengths[episode] >= max_steps):
+                    if started < n:
+                        self._start_episode(i, started)
+                        running[i] = started
+                        started += 1
+                    else:
+                        del running[i]
+                else:
+                    self._set_obs(i, obs)
+        return returns, lengths
+
+    # -- main loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        import cloudpickle
+
+        self.send(("hello", os.getpid()))
+        msg = self.recv()
+        self.setup(cloudpickle.loads(msg[1]))
+        self.send(("ready",))
+        while True:
+            msg = self.recv()
+            if msg[0] != "evaluate":
+                continue  # an abort that came after its evaluation finished
+            _, rid, weights, n = msg
+            self.current = rid
+            try:
+                self.load_weights(weights)
+                returns, lengths = self.evaluate(n)
+            except _Abort:
+                self.send(("aborted", rid))
+            except (_Stop, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported; the worker stays usable
+                self.send(("failed", rid, pack_exception(exc), traceback.format_exc()))
+            else:
+                self.send(("result", rid, returns, lengths))
+            finally:
+                self.current = None
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                pass
+        self.envs = []
+
+
+def serve(fd: int) -> None:
+    """Run the evaluator's worker on the socket ``fd``; never returns."""
+    code = 0
+    worker = None
+    try:
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(True)
+        worker = EvalWorker(sock)
+        try:
+            worker.run()
+        except _Stop:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - set-up errors are reported to the parent
+            code = 1
+            tb = traceback.format_exc()
+            try:
+                worker.send(("error", pack_exception(exc), tb))
+            except BaseException:  # noqa: BLE001
+                sys.stderr.write(tb)
+    finally:
+        try:
+            if worker is not None:
+                worker.close()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
