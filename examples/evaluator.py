@@ -21,8 +21,7 @@ import gymnasium
 import torch
 from torch import nn
 
-from aiocollect import Collector
-from aiocollect import Evaluator  # `from aiocollect import Evaluator` once exported
+from aiocollect import Collector, Evaluator
 from aiocollect.events import EvaluationCompleted, EvaluationFailed
 
 
