@@ -30,6 +30,7 @@ from ._policy import PolicySpec, classify, describe
 from ._profiling import ProfileConfig, Recorder
 from ._rollout import RolloutConfig
 from ._split import split_trajectories
+from ._resource import AsyncResource, unwrap_group as _unwrap
 from ._systask import spawn_system_task
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
 
@@ -55,14 +56,6 @@ class State(enum.Enum):
     """Closed: every process and shared-memory segment is released. Cannot be reopened."""
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The first real error inside (possibly nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
-        exc = (inner or list(exc.exceptions))[0]
-    return exc
-
-
 def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flat.items():
@@ -73,7 +66,7 @@ def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
     return out
 
 
-class Collector:
+class Collector(AsyncResource):
     """Collects experience from gymnasium envs stepped in worker processes.
 
     >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
@@ -536,19 +529,6 @@ class Collector:
         if self._error is not None and not self._error_seen:
             self._error_seen = True
             raise self._error
-
-    async def __aenter__(self) -> "Collector":
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc is None:
-            await self.aclose()
-            return
-        try:
-            await self.aclose()
-        except Exception:
-            pass  # the body's exception wins; the collector is closed either way
 
     def __del__(self) -> None:
         if getattr(self, "_state", State.CLOSED) not in (State.STARTING, State.RUNNING):

@@ -22,7 +22,8 @@ def _exploration_name(value: Any) -> str:
     return name.lower()
 
 
-def _check_env_id(env_id: str) -> None:
+def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
+    """Raise :class:`ConfigError` (with close matches) if ``env_id`` is not a registered id."""
     import gymnasium as gym
 
     if ":" in env_id or env_id in gym.registry:
@@ -31,7 +32,7 @@ def _check_env_id(env_id: str) -> None:
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
         "; register it with gymnasium.register, or use 'module:EnvId' so that the module is imported first"
     )
-    raise ConfigError(f"create_env_fn={env_id!r} is not a registered gymnasium env id{hint}")
+    raise ConfigError(f"{argument}={env_id!r} is not a registered gymnasium env id{hint}")
 
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
@@ -94,7 +95,7 @@ class CollectorConfig:
     def __post_init__(self) -> None:
         fn = self.create_env_fn
         if isinstance(fn, str):
-            _check_env_id(fn)
+            check_env_id(fn)
         elif not callable(fn):
             raise ConfigError(
                 f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import difflib
 import enum
 import inspect
 import itertools
@@ -22,13 +21,14 @@ import anyio
 import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
-from ._config import _exploration_name
+from ._config import _exploration_name, check_env_id
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError, WorkerError
 from ._eval_worker import EvalWorkerConfig
 from ._launcher import get_launcher
 from ._policy import PolicySpec, classify
 from ._systask import spawn_system_task
-from ._workers import ProcessWorker
+from ._resource import AsyncResource, unwrap_group as _unwrap
+from ._workers import ProcessWorker, _add_note, worker_error
 from .events import Event, EvaluationCompleted, EvaluationFailed
 
 __all__ = [
@@ -125,7 +125,7 @@ class EvaluatorConfig:
     def __post_init__(self) -> None:
         env = self.env
         if isinstance(env, str):
-            _check_env_id(env)
+            check_env_id(env, "env")
         elif not callable(env):
             raise ConfigError(
                 f"env={env!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
@@ -165,18 +165,6 @@ class EvaluatorConfig:
             raise ConfigError(f"shutdown_timeout={timeout!r} must be a finite number of seconds >= 0")
 
 
-def _check_env_id(env_id: str) -> None:
-    import gymnasium as gym
-
-    if ":" in env_id or env_id in gym.registry:
-        return
-    close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
-        "; register it with gymnasium.register, or use 'module:EnvId' so that the module is imported first"
-    )
-    raise ConfigError(f"env={env_id!r} is not a registered gymnasium env id{hint}")
-
-
 def _in_event_loop() -> bool:
     try:
         asyncio.get_running_loop()
@@ -191,18 +179,6 @@ def _in_event_loop() -> bool:
         except RuntimeError:
             pass
     return False
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
-        exc = (inner or list(exc.exceptions))[0]
-    return exc
 
 
 def _on_cpu(policy: Any) -> Any:
@@ -247,20 +223,7 @@ def _weights_payload(weights: Any) -> tuple[str, dict] | None:
 
 
 def _eval_error(pid: int | None, exc: BaseException | None, tb: str) -> BaseException:
-    """What the caller sees for ``exc`` raised in the evaluator's worker: our own errors as
-    themselves (worker traceback as a note), anything else wrapped in :class:`WorkerError`."""
-    who = f"the evaluator's worker (pid {pid})"
-    if isinstance(exc, AiocollectError):
-        _add_note(exc, f"raised in {who}; worker traceback:\n{tb}")
-        return exc
-    what = f"{type(exc).__name__}: {exc}" if exc is not None else "an error"
-    err = WorkerError(
-        f"{who} raised {what}\n\nWorker traceback (most recent call last):\n{tb.rstrip()}",
-        worker=None,
-        worker_traceback=tb,
-    )
-    err.__cause__ = exc
-    return err
+    return worker_error(None, pid, exc, tb, who=f"the evaluator's worker (pid {pid})")
 
 
 class _EvalProcess(ProcessWorker):
@@ -366,7 +329,7 @@ class _Request:
     sent: bool = False  # the whole request reached the worker's socket
 
 
-class Evaluator:
+class Evaluator(AsyncResource):
     """Evaluates a policy on whole episodes in a worker process of its own.
 
     >>> async with Evaluator("CartPole-v1", policy, num_trajectories=10, seed=0) as ev:  # doctest: +SKIP
@@ -625,19 +588,6 @@ class Evaluator:
                 await self._done.wait()
         self._bus.close()
         self._raise_background_error()
-
-    async def __aenter__(self) -> "Evaluator":
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc is None:
-            await self.aclose()
-            return
-        try:
-            await self.aclose()
-        except Exception:
-            pass  # the body's exception wins; the evaluator is closed either way
 
     def __del__(self) -> None:
         proc = getattr(self, "_proc", None)

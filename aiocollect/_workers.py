@@ -31,11 +31,14 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-def worker_error(worker: int | None, pid: int | None, exc: BaseException | None, tb: str) -> BaseException:
+def worker_error(
+    worker: int | None, pid: int | None, exc: BaseException | None, tb: str, who: str | None = None
+) -> BaseException:
     """The exception the consumer sees for ``exc`` raised in a worker: our own errors (a
     :class:`SpecError` ...) as themselves with the worker traceback as a note, anything else
     wrapped in :class:`WorkerError` with the original as ``__cause__``."""
-    who = "the local worker" if worker is None else f"worker {worker} (pid {pid})"
+    if who is None:
+        who = "the local worker" if worker is None else f"worker {worker} (pid {pid})"
     if isinstance(exc, AiocollectError):
         _add_note(exc, f"raised in {who}; worker traceback:\n{tb}")
         return exc

@@ -1,0 +1,39 @@
+"""What the collector and the evaluator share as objects owning processes and tasks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+
+class AsyncResource:
+    """``async with obj:`` is ``await obj.start()`` ... ``await obj.aclose()``; when the body
+    raises, its exception wins over one from ``aclose()`` (the object is closed either way)."""
+
+    async def start(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def aclose(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            await self.aclose()
+            return
+        try:
+            await self.aclose()
+        except Exception:
+            pass
+
+
+def unwrap_group(exc: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc
