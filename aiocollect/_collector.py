@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, TypeVar
 
 import anyio
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from . import _shm
 from . import events as ev
@@ -126,6 +126,8 @@ class Collector(AsyncResource):
         shutdown_timeout: float = 5.0,
         postproc: Callable[[TensorDict], Any] | None = None,
         update_at_each_batch: bool = False,
+        trajs_per_batch: int | None = None,
+        traj_format: str = "pad",
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -149,11 +151,15 @@ class Collector(AsyncResource):
             shutdown_timeout=shutdown_timeout,
             postproc=postproc,
             update_at_each_batch=update_at_each_batch,
+            trajs_per_batch=trajs_per_batch,
+            traj_format=traj_format,  # type: ignore[arg-type]
         )
         self._state = State.CREATED
         self._launch_failed = False
         self._closing = False
+        self._ended = False
         self._produced = 0
+        self._collected = 0  # frames collected by the workers (total_frames counts these)
         self._pending_error: BaseException | None = None
         self._seed: int | None = seed
         self._static_seed = False
@@ -448,6 +454,7 @@ class Collector(AsyncResource):
         return {
             "frames": self._frames,
             "batches": self._batches,
+            "collected_frames": self._collected,
             "traj_counters": [k + 1 for k in counters] if self._counters else list(counters),
             "seed": seed,
             "static_seed": self._static_seed,
@@ -469,6 +476,7 @@ class Collector(AsyncResource):
         if total != -1 and state["frames"] > total:
             raise ValueError(f"state has {state['frames']} frames, more than total_frames={total}")
         self._frames, self._batches = int(state["frames"]), int(state["batches"])
+        self._collected = int(state.get("collected_frames", self._frames))
         self._start_counters = counters
         self._seed, self._static_seed = state.get("next_seed"), bool(state.get("static_seed", False))
 
@@ -494,7 +502,7 @@ class Collector(AsyncResource):
         if self._state is State.CREATED:
             self._state = State.STARTING
             size = max(self.config.prefetch, 1)
-            self._send, self._recv = anyio.create_memory_object_stream[tuple[TensorDict, list]](size)
+            self._send, self._recv = anyio.create_memory_object_stream[tuple[TensorDict, list, int]](size)
             self._started = anyio.Event()
             self._done = anyio.Event()
             self._stop = anyio.Event()
@@ -564,24 +572,27 @@ class Collector(AsyncResource):
     async def _collect(self, *, drain: bool = False) -> TensorDict:
         if self._state is State.CLOSED:
             raise CollectorClosedError("this collector is closed; create a new Collector")
+        if self._ended:
+            self._raise_end()
         self._requested += 1
         self._wake()
         try:
-            batch, parts = await self._recv.receive()
+            batch, parts, frames = await self._recv.receive()
         except anyio.EndOfStream:
             if not drain:  # (the drain into a replay buffer is what the runner itself waits for)
                 await self._done.wait()  # the workers are gone before the end is reported
-            if self._error is not None:
-                self._error_seen = True
-                raise self._error from self._error.__cause__
             if self._closing or self._state is State.CLOSED:
-                raise CollectorClosedError("this collector was closed while waiting for a batch") from None
-            raise EndOfCollection(
-                f"all {self.config.total_frames} frames (total_frames) have been collected"
-            ) from None
+                if self._error is None:
+                    raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+            elif not drain:
+                # the end was seen: nothing is left to release (a consumer that never calls
+                # aclose(), as in `async for b in Collector(...)`, leaves nothing open)
+                self._ended = True
+                self._recv.close()
+            self._raise_end()
         except anyio.ClosedResourceError:
             raise CollectorClosedError("this collector was closed while waiting for a batch") from None
-        self._delivered(parts)
+        self._delivered(parts, frames)
         return batch
 
     @contextlib.asynccontextmanager
@@ -906,6 +917,12 @@ class Collector(AsyncResource):
         await self._emit(ev.WorkerFailed, worker=-1 if worker is None else worker, pid=pid, error=error)
         raise error
 
+    def _raise_end(self) -> None:
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error from self._error.__cause__
+        raise EndOfCollection(f"all {self.config.total_frames} frames (total_frames) have been collected")
+
     def _deliverable(self) -> bool:
         if self.config.delivery == "sync":
             return all(w.ready for w in self._workers)
@@ -936,16 +953,22 @@ class Collector(AsyncResource):
         remaining = _ENDLESS if total is None else total - self._batches
         workers = self._workers
         sync = c.delivery == "sync"
-        produced = 0
+        produced = 0  # batches delivered into the stream (what demand counts)
+        rounds = 0  # worker batches collected (what total_frames counts)
+        if c.trajs_per_batch is not None:
+            from ._trajs import TrajectoryAccumulator
+
+            remaining = _ENDLESS if total is None else total - self._collected // c.frames_per_batch
+            trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
         self._batches_at_start = self._batches
-        while produced < remaining:
+        while rounds < remaining:
             if self._pending_error is not None and not self._deliverable():
                 await self._raise_failure()
             index = self._batches_at_start + produced
             if c.update_at_each_batch and self._store is not None and not sync:
                 await self._publish(c.policy, list(range(c.workers)))
             if self._recorder is not None:
-                self._recorder.before(produced)
+                self._recorder.before(rounds)
             await self._emit(ev.BeforeRollout, index=index)
             t_wait = time.perf_counter()
             await self._wait(lambda: self._requested + c.prefetch > produced, produced, remaining)
@@ -963,18 +986,14 @@ class Collector(AsyncResource):
                     await w.release(slot)
             if sync:
                 self._arrivals.clear()
-            produced += 1
-            self._produced += 1
-            if c.split_trajs:
-                batch = split_trajectories(batch)
-            await self._emit(ev.AfterRollout, index=index, batch=batch)
-            if c.postproc is not None:
-                batch = c.postproc(batch)
-                if inspect.isawaitable(batch):
-                    batch = await batch
+            rounds += 1
+            self._collected += c.frames_per_batch
             infos = [(w.index, info) for w, (_, _, info) in parts]
-            while self._paused:  # collector.pause(): hold the batch (workers stop by backpressure)
-                await self._resume.wait()
+            if c.trajs_per_batch is not None:
+                envs = [w.index * c.envs_per_worker + e for w, _ in parts for e in range(c.envs_per_worker)]
+                outputs = trajs.add(batch, envs)
+            else:
+                outputs = [split_trajectories(batch) if c.split_trajs else batch]
             t_done = time.perf_counter()
             timing = self._stats.batch(infos, wait=t_assemble - t_wait, delivery=t_done - t_assemble)
             if self._bus.listens_to(ev.EpisodeEnded):
@@ -984,12 +1003,25 @@ class Collector(AsyncResource):
                             worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
                             terminated=terminated, policy_version=info.get("version", 0),
                         ))
-            await self._emit(
-                ev.BatchReady, index=index, frames=c.frames_per_batch, workers=tuple(w for w, _ in infos),
-                policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
-            )
-            await self._send.send((batch, infos))
-            if self._recorder is not None and (path := self._recorder.after(produced - 1)) is not None:
+            for n, batch in enumerate(outputs):
+                index = self._batches_at_start + produced
+                produced += 1
+                self._produced += 1
+                await self._emit(ev.AfterRollout, index=index, batch=batch)
+                if c.postproc is not None:
+                    batch = c.postproc(batch)
+                    if inspect.isawaitable(batch):
+                        batch = await batch
+                while self._paused:  # collector.pause(): hold the batch (workers stop by backpressure)
+                    await self._resume.wait()
+                frames = c.frames_per_batch if c.trajs_per_batch is None else _frames_in(batch)
+                await self._emit(
+                    ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
+                    policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
+                )
+                # the round's counters go with its first delivery
+                await self._send.send((batch, infos if n == 0 else [], frames))
+            if self._recorder is not None and (path := self._recorder.after(rounds - 1)) is not None:
                 self._recorder = None
                 await self._trace_ready(None, path)
             await self._announce_traces()
@@ -998,7 +1030,7 @@ class Collector(AsyncResource):
             await self._drained.wait()  # every batch is in the replay buffer
         self._stop.set()  # total_frames reached: release the workers now
 
-    def _delivered(self, parts: list[tuple[int, dict]]) -> None:
+    def _delivered(self, parts: list[tuple[int, dict]], frames: int) -> None:
         """Account for a batch the consumer received (counters, state_dict, progress)."""
         c = self.config
         if self._counters is None:
@@ -1007,7 +1039,7 @@ class Collector(AsyncResource):
             base = index * c.envs_per_worker
             self._counters[base : base + c.envs_per_worker] = info["traj_counters"]
             self._episodes += len(info["episodes"])
-        self._frames += c.frames_per_batch
+        self._frames += frames
         self._batches += 1
         if self._bar is not None:
             self._bar.update_to(self._frames, self._stats.mean_return)
@@ -1034,6 +1066,11 @@ class Collector(AsyncResource):
 
 
 
+
+
+def _frames_in(batch: TensorDictBase) -> int:
+    mask = batch.get(("collector", "mask"), None)
+    return int(mask.sum()) if mask is not None else batch.numel()
 
 
 @dataclasses.dataclass(frozen=True)

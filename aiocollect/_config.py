@@ -91,6 +91,11 @@ class CollectorConfig:
     """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
     update_at_each_batch: bool = False
     """Publish the weights of ``policy`` (the collector's reference) before each batch."""
+    trajs_per_batch: int | None = None
+    """Deliver batches of this many complete episodes (instead of ``frames_per_batch`` frames)."""
+    traj_format: Literal["pad", "cat"] = "pad"
+    """With ``trajs_per_batch``: ``"pad"`` gives ``[N, max_len]`` with ``("collector", "mask")``,
+    ``"cat"`` the trajectories one after another, ``[sum of lengths]``."""
 
     def __post_init__(self) -> None:
         fn = self.create_env_fn
@@ -149,6 +154,15 @@ class CollectorConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an int or None")
         _positive_int("prefetch", self.prefetch, allow_zero=True)
+        if self.trajs_per_batch is not None:
+            _positive_int("trajs_per_batch", self.trajs_per_batch)
+            if self.split_trajs:
+                raise ConfigError(
+                    "trajs_per_batch and split_trajs=True both reshape batches into trajectories; "
+                    "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
+                )
+        if self.traj_format not in ("pad", "cat"):
+            raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' or 'cat'")
         if self.update_at_each_batch and self.policy is None:
             raise ConfigError(
                 "update_at_each_batch=True pulls the weights of `policy` before each batch, but no policy "
