@@ -34,7 +34,7 @@ import numpy as np
 from . import _wire
 from ._errors import SpecError
 from ._layout import action_leaves, check_value, flattener, observation_leaves
-from ._rollout import make_env
+from ._rollout import add_envs
 from ._worker import pack_exception
 
 _TICK = 0.02  # seconds between checks for a stop or abort request while running episodes
@@ -112,16 +112,7 @@ class EvalWorker:
         self.cfg = cfg
         if cfg.nice:
             os.nice(cfg.nice)
-        for _ in range(cfg.num_envs):
-            self.envs.append(make_env(cfg.env_fn, cfg.env_kwargs))
-        first = self.envs[0]
-        self.obs_space, self.act_space = first.observation_space, first.action_space
-        for i, env in enumerate(self.envs[1:], 1):
-            if env.observation_space != self.obs_space or env.action_space != self.act_space:
-                raise SpecError(
-                    f"eval env {i} has spaces {env.observation_space}, {env.action_space}, but env 0 has "
-                    f"{self.obs_space}, {self.act_space}: every env of the evaluator must share its spaces"
-                )
+        self.obs_space, self.act_space = add_envs(self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator")
         self.obs_leaves = observation_leaves(self.obs_space)
         self.act_leaves = action_leaves(self.act_space)
         self.flatten_obs = flattener(self.obs_space, "observation")

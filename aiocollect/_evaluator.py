@@ -22,7 +22,7 @@ import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
 from ._config import _exploration_name, check_env_id
-from ._errors import AiocollectError, BrokenWorkerError, ConfigError, WorkerError
+from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 from ._eval_worker import EvalWorkerConfig
 from ._launcher import get_launcher
 from ._policy import PolicySpec, classify

@@ -53,6 +53,21 @@ def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
     return env
 
 
+def add_envs(envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str) -> tuple[Any, Any]:
+    """Append ``count`` new envs to ``envs`` (so the caller can close those made before a
+    failure) and check that they share their spaces; returns (observation, action) space."""
+    for _ in range(count):
+        envs.append(make_env(env_fn, env_kwargs))
+    obs_space, act_space = envs[0].observation_space, envs[0].action_space
+    for i, env in enumerate(envs[1:], 1):
+        if env.observation_space != obs_space or env.action_space != act_space:
+            raise SpecError(
+                f"env {i} of {who} has spaces {env.observation_space}, {env.action_space}, but env 0 has "
+                f"{obs_space}, {act_space}: all envs must share their spaces"
+            )
+    return obs_space, act_space
+
+
 @dataclasses.dataclass
 class EpisodeEnd:
     env: int  # global env index
@@ -69,8 +84,9 @@ class Rollout:
         self.cfg = cfg
         self.envs: list[gym.Env] = []
         try:
-            for _ in range(cfg.envs_per_worker):
-                self.envs.append(make_env(cfg.env_fn, cfg.env_kwargs))
+            self.obs_space, self.act_space = add_envs(
+                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}"
+            )
             self._setup(local_policy)
         except BaseException:
             self.close()
@@ -79,14 +95,6 @@ class Rollout:
     def _setup(self, local_policy: Any) -> None:
         cfg = self.cfg
         E = cfg.envs_per_worker
-        first = self.envs[0]
-        self.obs_space, self.act_space = first.observation_space, first.action_space
-        for i, env in enumerate(self.envs[1:], 1):
-            if env.observation_space != self.obs_space or env.action_space != self.act_space:
-                raise SpecError(
-                    f"env {i} of worker {cfg.worker} has spaces {env.observation_space}, {env.action_space}, "
-                    f"but env 0 has {self.obs_space}, {self.act_space}: all envs must share their spaces"
-                )
         self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
         self.act_leaves: list[Leaf] = action_leaves(self.act_space)
         self.flatten_obs = flattener(self.obs_space, "observation")

@@ -81,7 +81,6 @@ from _util import (
     MP_HELPERS,
     become_subreaper,
     child_signals,
-    descendants,
     log,
     reap,
     sigterm_as_interrupt,
