@@ -23,7 +23,14 @@ from . import _shm
 from . import events as ev
 from ._bus import EventBus, Overflow, Subscription
 from ._config import CollectorConfig
-from ._errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection, SpecError
+from ._errors import (
+    AiocollectError,
+    BrokenWorkerError,
+    CollectorClosedError,
+    ConfigError,
+    EndOfCollection,
+    SpecError,
+)
 from ._launcher import get_launcher
 from ._layout import Key, SlotLayout, frame_leaves
 from ._policy import PolicySpec, classify, describe
@@ -899,7 +906,10 @@ class Collector(AsyncResource):
             target = remaining
         for w in self._workers:
             if w.credits_sent < target:
-                await w.grant(target - w.credits_sent)
+                try:
+                    await w.grant(target - w.credits_sent)
+                except BrokenWorkerError as exc:  # died under us: reported like any failure
+                    self._worker_failed(exc)
 
     def _run_requested(self) -> int:
         return self._requested
@@ -983,7 +993,10 @@ class Collector(AsyncResource):
             batch = await self._assemble([(w, item[0]) for w, item in parts])
             for w, (slot, _, _) in parts:
                 if self._pending_error is None:
-                    await w.release(slot)
+                    try:
+                        await w.release(slot)
+                    except BrokenWorkerError as exc:
+                        self._worker_failed(exc)
             if sync:
                 self._arrivals.clear()
             rounds += 1

@@ -100,6 +100,15 @@ class ProcessWorker(WorkerHandle):
 
     # -- messages -------------------------------------------------------------------------------
     async def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
+        """Send one message; a worker that died (its socket closed under us, perhaps before its
+        reader saw the end-of-file) raises :class:`BrokenWorkerError`, never a raw OSError."""
+        try:
+            await self._send(msg, fds)
+        except (BrokenPipeError, ConnectionResetError):
+            self.eof = True
+            raise self.broken() from None
+
+    async def _send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
         data = memoryview(_wire.encode(msg))
         if fds:
             while True:

@@ -563,3 +563,21 @@ def test_failed_start_in_blocking_with_leaves_no_thread():
             c.close()
     assert not extra, extra
     assert state is State.CLOSED
+
+
+async def test_sending_to_a_dead_worker_raises_broken_worker_error_not_os_error():
+    """A worker that dies between two messages (its reader has not seen the end-of-file yet)
+    makes the next send raise BrokenWorkerError naming it, never a raw BrokenPipeError."""
+    import socket
+
+    from aiocollect._workers import ProcessWorker
+
+    ours, theirs = socket.socketpair()
+    w = ProcessWorker(3, ours)
+    theirs.close()
+    try:
+        with pytest.raises(BrokenWorkerError, match="worker 3"):
+            for _ in range(3):  # the first send may still be buffered by the kernel
+                await w.send(("credit", 1))
+    finally:
+        ours.close()
