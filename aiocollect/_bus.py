@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from typing import Any, Awaitable, Callable, Generic, Literal, TypeVar, overload
+from typing import Any, Callable, Generic, Literal, TypeVar, overload
 
 import anyio
 
@@ -189,10 +189,6 @@ class EventBus:
                     return event
         raise anyio.EndOfStream
 
-    @property
-    def has_listeners(self) -> bool:
-        return bool(self._handlers or self._subs)
-
     def listens_to(self, event_type: type[Event]) -> bool:
         """Whether anything would receive an event of ``event_type`` (to skip building it)."""
         return any(issubclass(event_type, t) for t, _ in self._handlers) or any(
@@ -209,20 +205,6 @@ class EventBus:
                 result = handler(event)
                 if inspect.isawaitable(result):
                     await result
-
-    def emit_nowait(self, event: Event) -> list[Awaitable[Any]]:
-        """Deliver to subscriptions and sync handlers now; returns the awaitables of async
-        handlers (the caller awaits them)."""
-        pending = []
-        for sub in list(self._subs):
-            if isinstance(event, sub.event_type):
-                sub._offer(event)
-        for event_type, handler in list(self._handlers):
-            if isinstance(event, event_type):
-                result = handler(event)
-                if inspect.isawaitable(result):
-                    pending.append(result)
-        return pending
 
     def close(self) -> None:
         """End every subscription's ``async for`` (after it drains)."""
