@@ -34,7 +34,7 @@ import numpy as np
 from . import _wire
 from ._errors import SpecError
 from ._layout import action_leaves, check_value, flattener, observation_leaves
-from ._rollout import add_envs
+from ._rollout import add_envs, close_envs
 from ._worker import pack_exception
 
 _TICK = 0.02  # seconds between checks for a stop or abort request while running episodes
@@ -94,13 +94,10 @@ class EvalWorker:
         self._next_tick = now + _TICK
         while True:
             try:
-                peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError:
+                if not _wire.message_waiting(self.sock):
+                    return
+            except EOFError:
                 raise _Stop from None
-            if not peek:
-                raise _Stop
             msg = self.recv()
             if msg[0] == "abort" and msg[1] == self.current:
                 raise _Abort
@@ -277,12 +274,7 @@ class EvalWorker:
                 self.current = None
 
     def close(self) -> None:
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception:  # pragma: no cover - best effort at shutdown
-                pass
-        self.envs = []
+        close_envs(self.envs)
 
 
 def serve(fd: int) -> None:

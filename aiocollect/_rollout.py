@@ -68,6 +68,16 @@ def add_envs(envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who
     return obs_space, act_space
 
 
+def close_envs(envs: list[gym.Env]) -> None:
+    """Close every env (best effort, at shutdown) and empty the list."""
+    for env in envs:
+        try:
+            env.close()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass
+    envs.clear()
+
+
 @dataclasses.dataclass
 class EpisodeEnd:
     env: int  # global env index
@@ -314,9 +324,4 @@ class Rollout:
         return self.traj_k.tolist()
 
     def close(self) -> None:
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception:  # pragma: no cover - best effort at shutdown
-                pass
-        self.envs = []
+        close_envs(self.envs)

@@ -58,6 +58,20 @@ def recv_blocking(sock: socket.socket) -> tuple[Any, list[int]] | None:
     return pickle.loads(payload), fds
 
 
+def message_waiting(sock: socket.socket) -> bool:
+    """Whether a message can be read from a blocking socket without waiting (a worker's check
+    between steps). Raises ``EOFError`` once the peer has closed or the socket failed."""
+    try:
+        peek = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        raise EOFError from None
+    if not peek:
+        raise EOFError
+    return True
+
+
 class FrameReader:
     """Incremental parser for a non-blocking reader (the collector's side of a worker pipe)."""
 

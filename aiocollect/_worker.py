@@ -97,13 +97,10 @@ class Worker:
         self._next_tick = now + _TICK
         while True:
             try:
-                peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError:
+                if not _wire.message_waiting(self.sock):
+                    return
+            except EOFError:
                 raise _Stop from None
-            if not peek:
-                raise _Stop
             self.handle(*self.recv())
 
     def run(self) -> None:
