@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import inspect
 import os
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import anyio
 import torch
@@ -121,7 +121,7 @@ class Collector(AsyncResource):
         delivery: str = "sync",
         inference: str = "worker",
         create_env_kwargs: dict | None = None,
-        policy_factory: Callable[[], Any] | None = None,
+        policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
         max_frames_per_traj: int | None = None,
         init_random_frames: int | None = None,
         reset_at_each_iter: bool = False,
@@ -192,8 +192,9 @@ class Collector(AsyncResource):
         self._drained = anyio.Event()
         self._profile: ProfileConfig | None = None
         self._recorder: Recorder | None = None
-        self._store: Any = None  # the shared weight store (None: the policy has no weights)
-        self._worker_stores: dict[int, Any] = {}
+        self._store: Any = None  # the weight store all workers read (None: none, or distinct policies)
+        self._worker_stores: dict[int, Any] = {}  # per-worker stores, made on first need
+        self._weight_layouts: list[Any] = []  # per worker (None: its policy has no weights)
         self._version = 0
         self._acked: list[int] = []
         self._published_at: dict[int, float] = {}
@@ -241,6 +242,7 @@ class Collector(AsyncResource):
         *,
         worker_ids: Any = None,
         model_id: str = "policy",
+        weights_dict: Mapping[str, Any] | None = None,
         wait: bool = True,
     ) -> int:
         """Publish new policy weights to the workers; returns the new version.
@@ -253,30 +255,41 @@ class Collector(AsyncResource):
         batch, never half-written; an idle worker at once) and every frame it collects after
         that carries the version in ``("collector", "policy_version")``.
 
-        ``worker_ids`` limits the update to some workers (the others keep their weights).
+        ``model_id`` names what the weights are for: ``"policy"`` (all of the workers' policy)
+        or one of its submodules, ``"policy.<path>"`` with the path ``get_submodule`` takes
+        (``"policy.actor"``, ``"policy.heads.0"``); the rest of the policy keeps its weights.
+        ``weights_dict={model_id: weights, ...}`` updates several models as one version: a
+        worker applies all of them at the same batch boundary or none.
+
+        ``worker_ids`` limits the update to some workers (the others keep their weights); with
+        one ``policy_factory`` per worker (distinct policies), it is how each gets its own.
         ``wait=True`` returns once every targeted worker applied it; ``wait=False`` at once.
         Emits :class:`~aiocollect.events.WeightsUpdated`, then one
         :class:`~aiocollect.events.WeightsApplied` per worker (with its latency).
         """
-        if model_id != "policy":
-            raise ValueError(
-                f"model_id={model_id!r}: the workers hold one model, 'policy' (several models per worker "
-                f"are not supported yet)"
-            )
+        if weights_dict is not None:
+            if policy_or_weights is not None or model_id != "policy":
+                raise ValueError(
+                    "pass either weights_dict={model_id: weights, ...} or policy_or_weights (with model_id), not both"
+                )
+            if not isinstance(weights_dict, Mapping) or not weights_dict:
+                raise ValueError(f"weights_dict={weights_dict!r} must be a non-empty {{model_id: weights}} mapping")
+            updates = dict(weights_dict)
+        else:
+            updates = {model_id: policy_or_weights}
+        self._check_model_ids(updates)
         if self._state is State.CREATED:
             await self.start()
         if self._state is not State.RUNNING:
             raise CollectorClosedError(f"update_weights() on a collector that is {self._state.value}")
-        if self._store is None:
-            raise AiocollectError(
-                "the workers' policy has no weights to update (random actions, or a policy that is not an nn.Module)"
-            )
-        if policy_or_weights is None:
-            if self.config.policy is None:
-                raise ValueError("update_weights() needs weights: this collector was built with policy_factory")
-            policy_or_weights = self.config.policy
         targets = self._targets(worker_ids)
-        version = await self._publish(policy_or_weights, targets)
+        no_weights = [w for w in targets if self._weight_layouts[w] is None]
+        if no_weights:
+            raise AiocollectError(
+                f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
+                f"has no weights to update (random actions, or a policy that is not an nn.Module)"
+            )
+        version = await self._publish(updates, targets)
         if wait:
             while any(self._acked[w] < version for w in targets):
                 if self._state is not State.RUNNING:
@@ -288,6 +301,23 @@ class Collector(AsyncResource):
                     await event.wait()
         return version
 
+    def _check_model_ids(self, updates: Mapping[str, Any]) -> None:
+        ids = list(updates)
+        for a in ids:
+            if not isinstance(a, str) or not (a == "policy" or a.startswith("policy.")):
+                raise ValueError(
+                    f"model_id={a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
+                    f"'policy.<path>' (e.g. 'policy.actor')"
+                )
+            for b in ids:
+                if a != b and b.startswith(a + "."):
+                    raise ValueError(f"model ids {a!r} and {b!r} overlap: {b!r} is part of {a!r}; pass one of them")
+        if any(w is None for w in updates.values()) and self.config.policy is None:
+            raise ValueError(
+                "update_weights() needs weights: this collector was built with policy_factory, so it has no "
+                "policy of its own to take them from"
+            )
+
     def _targets(self, worker_ids: Any) -> list[int]:
         n = self.config.workers
         if worker_ids is None:
@@ -298,28 +328,53 @@ class Collector(AsyncResource):
             raise ValueError(f"worker_ids={worker_ids!r}: this collector has workers 0..{n - 1}")
         return sorted(set(ids))
 
-    async def _publish(self, policy_or_weights: Any, targets: list[int]) -> int:
+    def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
+        """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
         from ._weights import match_state, state_of
 
-        state = match_state(state_of(policy_or_weights), self._store.layout)
+        state: dict[str, Any] = {}
+        for model_id, weights in updates.items():
+            try:
+                if weights is None:  # the constructor's policy: the model's part of it
+                    state.update(match_state(state_of(self.config.policy), layout, model_id, whole=True))
+                else:
+                    state.update(match_state(state_of(weights), layout, model_id))
+            except (KeyError, ValueError) as exc:
+                if worker is None:
+                    raise
+                raise type(exc)(f"worker {worker}: {exc.args[0]}") from None
+        return state
+
+    async def _publish(self, updates: Mapping[str, Any], targets: list[int]) -> int:
+        shared = self._store is not None and len(targets) == self.config.workers
+        if shared:
+            writes = [(self._store, self._state_for(self._store.layout, updates, None))]
+        else:
+            writes, by_layout = [], {}
+            for w in targets:
+                layout = self._weight_layouts[w]
+                key = id(layout) if self._store is None else 0  # one layout for all: match once
+                if key not in by_layout:
+                    by_layout[key] = self._state_for(layout, updates, None if self._store else w)
+                writes.append((w, by_layout[key]))
         self._version += 1
         version = self._version
         self._published_at[version] = time.perf_counter()
-        if len(targets) == self.config.workers:
-            self._store.publish(state, version)
-        else:
-            for w in targets:
-                (await self._worker_store(w)).publish(state, version)
+        for store, state in writes:
+            if not shared:
+                store = await self._worker_store(store)
+            store.publish(state, version)
         workers = {w.index: w for w in self._workers}
         for w in targets:
             workers[w].nudge()
-        await self._emit(ev.WeightsUpdated, version=version, model_id="policy", workers=tuple(targets))
+        ids = tuple(updates)
+        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
         return version
 
     async def _worker_store(self, index: int) -> Any:
         store = self._worker_stores.get(index)
         if store is None:
-            store = self._new_store(self._store.layout, f"w{index}-weights")
+            store = self._new_store(self._weight_layouts[index], f"w{index}-weights")
             worker = next(w for w in self._workers if w.index == index)
             try:
                 await worker.give_store(store)
@@ -792,14 +847,14 @@ class Collector(AsyncResource):
                 w.stop_nowait()
             raise
 
-    def _rollout_configs(self, spec: PolicySpec) -> list[RolloutConfig]:
+    def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
         c = self.config
         counters = tuple(self._start_counters) if self._start_counters else None
         return [
             RolloutConfig(
                 env_fn=c.create_env_fn,
                 env_kwargs=dict(c.create_env_kwargs or {}),
-                policy=spec,
+                policy=policy_specs[i],
                 worker=i,
                 envs_per_worker=c.envs_per_worker,
                 total_envs=c.total_envs,
@@ -841,39 +896,52 @@ class Collector(AsyncResource):
     async def _launch(self) -> None:
         c = self.config
         if c.num_workers == 0:
-            if c.policy is None and c.policy_factory is None:
+            factory = c.factory_for(0)
+            if c.policy is None and factory is None:
                 spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
             else:
                 # a replica, as in a worker: the caller's module may change under training (the
                 # local rollout yields to the loop mid-batch), weights change only by update_weights
-                policy = copy.deepcopy(c.policy) if c.policy is not None else c.policy_factory()  # type: ignore[misc]
+                policy = copy.deepcopy(c.policy) if c.policy is not None else factory()  # type: ignore[misc]
                 spec = PolicySpec("local", exploration_type=c.exploration_type)
-            local = LocalWorker(self._rollout_configs(spec)[0], policy)
+            local = LocalWorker(self._rollout_configs([spec])[0], policy)
             self._workers = [local]
             specs = [local.rollout.spec()]
         else:
-            try:
-                spec = describe(c.policy, c.policy_factory, c.exploration_type)
-            except Exception as exc:
-                raise AiocollectError(
-                    f"the policy could not be pickled for the workers ({type(exc).__name__}: {exc}); "
-                    f"pass policy_factory=<a function that builds it> instead"
-                ) from exc
-            workers, specs = await start_process_workers(self._rollout_configs(spec), spec.needs, get_launcher())
+            policy_specs = []
+            for i in range(c.workers):
+                factory = c.factory_for(i)
+                try:
+                    policy_specs.append(describe(c.policy, factory, c.exploration_type))
+                except Exception as exc:
+                    what = "the policy" if factory is None else (
+                        "policy_factory" if not isinstance(c.policy_factory, tuple) else f"policy_factory[{i}]"
+                    )
+                    raise AiocollectError(
+                        f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+                        f"pass policy_factory=<a picklable function that builds it> instead"
+                    ) from exc
+                if factory is None or not isinstance(c.policy_factory, tuple):
+                    policy_specs *= c.workers  # one spec for every worker: pickled once
+                    break
+            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
+            workers, specs = await start_process_workers(self._rollout_configs(policy_specs), needs, get_launcher())
             self._workers = list(workers)
-        for i, s in enumerate(specs[1:], 1):
-            if s != specs[0]:
+        batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
+        for i, s in enumerate(batch_specs[1:], 1):
+            if s != batch_specs[0]:
                 raise SpecError(
-                    f"worker {i} reports batch leaves {s} but worker 0 reports {specs[0]}: every env "
-                    f"must have the same spaces and the policy the same outputs"
+                    f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
+                    f"must have the same spaces and every worker's policy the same outputs"
                 )
         leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
         self._layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
         self._acked = [0] * len(self._workers)
         self._store_fds: list[int] = []
-        weights = specs[0].get("weights")
-        if weights is not None:
-            self._store = self._new_store(weights, "weights")
+        self._weight_layouts = [s.get("weights") for s in specs]
+        first = self._weight_layouts[0]
+        if first is not None and all(w == first for w in self._weight_layouts):
+            self._store = self._new_store(first, "weights")
         try:
             if c.num_workers == 0:
                 self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
@@ -901,7 +969,7 @@ class Collector(AsyncResource):
                 and any(w.credits_sent < target for w in self._workers)
             ):
                 # pulled right before the workers may start the next batch(es)
-                await self._publish(self.config.policy, list(range(self.config.workers)))
+                await self._publish({"policy": None}, list(range(self.config.workers)))
         else:
             target = remaining
         for w in self._workers:
@@ -976,7 +1044,7 @@ class Collector(AsyncResource):
                 await self._raise_failure()
             index = self._batches_at_start + produced
             if c.update_at_each_batch and self._store is not None and not sync:
-                await self._publish(c.policy, list(range(c.workers)))
+                await self._publish({"policy": None}, list(range(c.workers)))
             if self._recorder is not None:
                 self._recorder.before(rounds)
             await self._emit(ev.BeforeRollout, index=index)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from ._errors import ConfigError
 from ._policy import EXPLORATION_TYPES
@@ -67,8 +67,11 @@ class CollectorConfig:
     """Where the policy runs: ``"worker"`` (a replica in each worker, on CPU)."""
     create_env_kwargs: dict | None = None
     """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``)."""
-    policy_factory: Callable[[], Any] | None = None
-    """Builds the policy inside each worker instead of copying ``policy``."""
+    policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None
+    """Builds the policy inside each worker instead of copying ``policy``: one callable for every
+    worker, or a list of one per worker (distinct policies, e.g. one per agent or league member;
+    they must produce the same outputs, and :meth:`Collector.update_weights` with ``worker_ids``
+    updates each one's weights)."""
     max_frames_per_traj: int | None = None
     """Truncate episodes after this many frames (``("next", "truncated")`` is set)."""
     init_random_frames: int | None = None
@@ -131,8 +134,22 @@ class CollectorConfig:
             raise ConfigError("pass either policy or policy_factory, not both")
         if self.policy is not None and not callable(self.policy):
             raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
-        if self.policy_factory is not None and not callable(self.policy_factory):
-            raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable")
+        factory = self.policy_factory
+        if isinstance(factory, (list, tuple)):
+            if len(factory) != self.workers:
+                raise ConfigError(
+                    f"policy_factory is a list of {len(factory)} factories but there are {self.workers} workers "
+                    f"(num_workers={self.num_workers}); pass one factory per worker, or a single callable for all"
+                )
+            bad = [i for i, f in enumerate(factory) if not callable(f)]
+            if bad:
+                raise ConfigError(f"policy_factory[{bad[0]}]={factory[bad[0]]!r} is not callable")
+            object.__setattr__(self, "policy_factory", tuple(factory))
+        elif factory is not None and not callable(factory):
+            raise ConfigError(
+                f"policy_factory={factory!r} is not callable; pass a function that builds the policy, "
+                f"or a list of one per worker"
+            )
         if self.create_env_kwargs is not None and not isinstance(self.create_env_kwargs, dict):
             raise ConfigError(f"create_env_kwargs={self.create_env_kwargs!r} must be a dict or None")
         envs = self.envs_per_batch
@@ -172,6 +189,11 @@ class CollectorConfig:
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
         if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+
+    def factory_for(self, worker: int) -> Callable[[], Any] | None:
+        """The policy factory of ``worker`` (``None``: the workers copy ``policy``)."""
+        f = self.policy_factory
+        return f[worker] if isinstance(f, tuple) else f
 
     @property
     def workers(self) -> int:

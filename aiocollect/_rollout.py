@@ -143,15 +143,18 @@ class Rollout:
         self.extra_leaves = self.runner.probe(self.cur_obs)
         self.steps = 0
         self.batches = 0
-        self.version = 0  # of the weights the policy has now
         model = getattr(self.runner, "model", None)
-        self.weight_targets = dict(model.state_dict()) if model is not None else {}
-        if self.weight_targets:
-            from ._weights import WeightLayout
+        if model is not None:
+            from ._weights import WeightReader
 
-            self.weight_layout: Any = WeightLayout.of(self.weight_targets)
+            self.weights: Any = WeightReader(model)
         else:
-            self.weight_layout = None
+            self.weights = None
+
+    @property
+    def version(self) -> int:
+        """Of the weights the policy has now (0: those it was built with)."""
+        return 0 if self.weights is None else self.weights.version
 
     def _seeds(self) -> list[int | None]:
         cfg = self.cfg
@@ -163,17 +166,16 @@ class Rollout:
 
     def spec(self) -> dict[str, Any]:
         """What the collector needs to lay out the batch (compared across workers)."""
-        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves, "weights": self.weight_layout}
+        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves, "weights": None if self.weights is None else self.weights.layout}
 
-    def apply_weights(self, stores: list[Any]) -> int | None:
-        """At a batch boundary: take the newest complete version in ``stores``; returns it if
-        it changed the policy."""
-        applied = None
-        for store in stores:
-            version = store.read_into(self.weight_targets, self.version)
-            if version is not None:
-                self.version = applied = version
-        return applied
+    def add_store(self, store: Any) -> None:
+        """A weight store to read at batch boundaries (the shared one, or this worker's own)."""
+        self.weights.add(store)
+
+    def apply_weights(self) -> int | None:
+        """At a batch boundary: take the newest complete weights from the stores; returns the
+        version if it changed the policy."""
+        return None if self.weights is None else self.weights.apply()
 
     def _set_obs(self, i: int, obs: Any, checked: bool = False, into: list[np.ndarray] | None = None) -> None:
         """Write env ``i``'s observation into row ``i`` of ``into`` (default: the carried obs)."""

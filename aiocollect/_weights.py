@@ -5,6 +5,12 @@ The collector writes a new version with one in-place copy into the buffer that i
 latest, then makes it the latest. A worker, at a batch boundary only, copies the latest buffer
 into its policy replica and checks that the buffer's sequence number did not move meanwhile
 (else it retries with the newer latest). Imported by worker processes: numpy, and torch lazily.
+
+Each buffer also records, per tensor, the version that last changed it. That makes partial
+updates cheap and exact: publishing one submodule (``model_id="policy.actor"``) writes only
+its tensors (plus those the other buffer changed since this one was written), and a worker
+copies only the tensors changed since the version it has, so a tensor never published keeps
+the value the worker built it with.
 """
 
 from __future__ import annotations
@@ -16,8 +22,12 @@ from typing import Any, Mapping
 import numpy as np
 
 _HEADER_WORDS = 8  # seq0, seq1, latest (-1: nothing yet), version0, version1, unused...
-_HEADER_BYTES = _HEADER_WORDS * 8
 _ALIGN = 64
+ROOT = "policy"  # the model id of a worker's whole policy; "policy.<path>" names a submodule
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,40 +50,81 @@ class WeightLayout:
             if not isinstance(tensor, torch.Tensor):
                 continue
             dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
-            pos = -(-pos // _ALIGN) * _ALIGN
+            pos = _aligned(pos)
             names.append(name)
             shapes.append(tuple(tensor.shape))
             dtypes.append(dtype.name)
             offsets.append(pos)
             pos += tensor.numel() * dtype.itemsize
-        return cls(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets), -(-max(pos, 1) // _ALIGN) * _ALIGN)
+        return cls(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets), _aligned(max(pos, 1)))
+
+    @property
+    def meta_nbytes(self) -> int:
+        """Header words, then per buffer one int64 per tensor: the version that last changed it."""
+        return _aligned(8 * (_HEADER_WORDS + 2 * len(self.names)))
 
     @property
     def nbytes(self) -> int:
-        return _HEADER_BYTES + 2 * self.buffer_nbytes
+        return self.meta_nbytes + 2 * self.buffer_nbytes
 
     @property
     def numel(self) -> int:
         return sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
 
+    def select(self, model_id: str) -> tuple[str, tuple[str, ...]]:
+        """``(prefix, names)``: the tensors of model ``model_id``, ``"policy"`` (all of them) or
+        ``"policy.<submodule path>"`` (those under that path, as ``get_submodule`` spells it;
+        the ``module.`` of a TensorDictModule the workers unwrap may be left in or out)."""
+        if not isinstance(model_id, str) or not (model_id == ROOT or model_id.startswith(ROOT + ".")):
+            raise ValueError(
+                f"model_id={model_id!r}: a model is the workers' policy, 'policy', or one of its submodules, "
+                f"'policy.<path>' (e.g. {self._examples()})"
+            )
+        if model_id == ROOT:
+            return "", self.names
+        path = model_id[len(ROOT) + 1:]
+        candidates = [path]
+        if path.startswith("module."):
+            candidates.append(path[len("module."):])  # a TensorDictModule's path; the workers run its module
+        for p in candidates:
+            names = tuple(n for n in self.names if n.startswith(p + "."))
+            if names:
+                return p + ".", names
+        raise ValueError(
+            f"model_id={model_id!r}: the workers' policy has no submodule {path!r} with weights; "
+            f"its submodules with weights include {self._examples()}"
+        )
+
+    def _examples(self) -> list[str]:
+        seen: list[str] = []
+        for n in self.names:
+            head = n.split(".")[0] if "." in n else None
+            if head is not None and f"{ROOT}.{head}" not in seen:
+                seen.append(f"{ROOT}.{head}")
+        return seen[:6] or [ROOT]
+
 
 class WeightStore:
-    """One store: either side (``writer=True`` in the collector, ``False`` in a worker)."""
+    """One store: either side (the collector writes, workers read)."""
 
     def __init__(self, layout: WeightLayout, buffer: Any) -> None:
         import torch
 
         self.layout = layout
         self.buffer = buffer
+        n = len(layout.names)
         self.header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
-        self.views: list[dict[str, Any]] = []
+        meta = np.frombuffer(buffer, dtype=np.int64, count=2 * n, offset=8 * _HEADER_WORDS)
+        self.changed = (meta[:n], meta[n:])  # per buffer, per tensor: the version that last changed it
+        self.index = {name: i for i, name in enumerate(layout.names)}
+        self.views: list[list[Any]] = []
         for b in range(2):
-            base = _HEADER_BYTES + b * layout.buffer_nbytes
-            views = {}
-            for name, shape, dtype, off in zip(layout.names, layout.shapes, layout.dtypes, layout.offsets):
+            base = layout.meta_nbytes + b * layout.buffer_nbytes
+            views = []
+            for shape, dtype, off in zip(layout.shapes, layout.dtypes, layout.offsets):
                 count = int(np.prod(shape, dtype=np.int64))
                 arr = np.frombuffer(buffer, dtype=np.dtype(dtype), count=count, offset=base + off).reshape(shape)
-                views[name] = torch.from_numpy(arr)
+                views.append(torch.from_numpy(arr))
             self.views.append(views)
 
     @classmethod
@@ -81,17 +132,33 @@ class WeightStore:
         store = cls(layout, buffer)
         store.header[:] = 0
         store.header[2] = -1
+        store.changed[0][:] = 0
+        store.changed[1][:] = 0
         return store
 
     # -- writer -------------------------------------------------------------------------------
     def publish(self, state: Mapping[str, Any], version: int) -> None:
-        """Write ``state`` as ``version`` (one copy), then make it the latest."""
+        """Write ``state`` (all the layout's tensors, or some of them: a partial update) as
+        ``version``, then make it the latest. One copy of what ``state`` holds, plus the tensors
+        that changed in the latest buffer since this one was last written."""
         h = self.header
-        b = 0 if h[2] != 0 else 1
+        latest = int(h[2])
+        b = 0 if latest != 0 else 1
+        mine, views = self.changed[b], self.views[b]
         h[b] += 1  # odd: being written
-        views = self.views[b]
-        for name in self.layout.names:
-            views[name].copy_(state[name])
+        try:
+            if latest >= 0 and len(state) < len(self.index):
+                theirs, their_views = self.changed[latest], self.views[latest]
+                for i in np.nonzero(theirs != mine)[0].tolist():  # carried over: unchanged by this version
+                    views[i].copy_(their_views[i])
+                    mine[i] = theirs[i]
+            for name, value in state.items():
+                i = self.index[name]
+                views[i].copy_(value)
+                mine[i] = version
+        except BaseException:
+            h[b] += 1  # even again, but not the latest: readers never see it; the next publish
+            raise  # carries over every tensor this one touched (their change marks differ)
         h[3 + b] = version
         h[b] += 1  # even: complete
         h[2] = b
@@ -102,30 +169,64 @@ class WeightStore:
         return -1 if b < 0 else int(self.header[3 + b])
 
     # -- reader ---------------------------------------------------------------------------------
-    def read_into(self, targets: Mapping[str, Any], current: int) -> int | None:
-        """Copy the latest version into ``targets`` if it is newer than ``current``; returns the
-        version applied, or ``None``. Never returns with a torn copy."""
+    def read_into(self, targets: list[Any], have: np.ndarray, seen: int) -> int | None:
+        """If the latest version is newer than ``seen``, copy into ``targets`` (the model's
+        tensors, in layout order) each tensor changed since the version ``have`` records for it,
+        update ``have``, and return that version; else ``None``. Never returns with a torn copy."""
         h = self.header
         while True:
             b = int(h[2])
             if b < 0:
                 return None
             version = int(h[3 + b])
-            if version <= current:
+            if version <= seen:
                 return None
             seq = int(h[b])
             if seq & 1:
                 continue  # being rewritten: the writer flips to it soon
+            changed = self.changed[b].copy()
+            todo = np.nonzero(changed > have)[0]
             views = self.views[b]
-            for name in self.layout.names:
-                targets[name].copy_(views[name])
+            for i in todo.tolist():
+                targets[i].copy_(views[i])
             if int(h[b]) == seq and int(h[3 + b]) == version:
+                have[todo] = changed[todo]
                 return version
 
 
 def map_store(fd: int, layout: WeightLayout) -> WeightStore:
     """Worker side: map a store the collector created."""
     return WeightStore(layout, mmap.mmap(fd, layout.nbytes))
+
+
+class WeightReader:
+    """Worker side: a model's tensors and the stores it reads (the shared one, and its own once
+    the collector gives it one for per-worker updates)."""
+
+    def __init__(self, model: Any) -> None:
+        state = dict(model.state_dict()) if model is not None else {}
+        self.layout = WeightLayout.of(state) if state else None
+        self.targets = [state[n] for n in self.layout.names] if self.layout is not None else []
+        self.have = np.zeros(len(self.targets), dtype=np.int64)
+        self.stores: list[WeightStore] = []
+        self.seen: list[int] = []
+        self.version = 0  # the newest version applied
+
+    def add(self, store: WeightStore) -> None:
+        self.stores.append(store)
+        self.seen.append(0)
+
+    def apply(self) -> int | None:
+        """At a batch boundary: take the newest complete version of every store (per tensor, the
+        newest change wins); returns the new version if anything was applied."""
+        applied = None
+        for k, store in enumerate(self.stores):
+            version = store.read_into(self.targets, self.have, self.seen[k])
+            if version is not None:
+                self.seen[k] = version
+                if version > self.version:
+                    self.version = applied = version
+        return applied
 
 
 def state_of(obj: Any) -> dict[str, Any]:
@@ -151,18 +252,35 @@ def state_of(obj: Any) -> dict[str, Any]:
     )
 
 
-def match_state(state: Mapping[str, Any], layout: WeightLayout) -> dict[str, Any]:
-    """``state`` keyed as the workers' models are (a ``module.`` prefix, as a TensorDictModule's
-    own state dict has, is dropped when that makes the names match)."""
-    want = set(layout.names)
-    if set(state) >= want:
-        return {n: state[n] for n in layout.names}
-    stripped = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("module.")}
-    if set(stripped) >= want:
-        return {n: stripped[n] for n in layout.names}
-    missing = sorted(want - set(state))
-    raise KeyError(
-        f"the weights given lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the workers' "
-        f"policy (it has {len(want)} tensors: {sorted(want)[:5]}...); pass the policy module, "
-        f"TensorDict.from_module(policy) or policy.state_dict()"
-    )
+def match_state(state: Mapping[str, Any], layout: WeightLayout, model_id: str = ROOT, whole: bool = False) -> dict[str, Any]:
+    """The tensors of model ``model_id`` (see :meth:`WeightLayout.select`) from ``state``, keyed
+    by their names in ``layout``. ``state`` is keyed as that model names them (a ``module.``
+    prefix, as a TensorDictModule's own state dict has, is dropped when that makes the names
+    match), or as the whole policy names them when ``whole``. Shapes must match the layout's."""
+    prefix, names = layout.select(model_id)
+    if whole:
+        prefix = ""
+    want = [n[len(prefix):] for n in names]
+    if not set(state) >= set(want):
+        stripped = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("module.")}
+        if set(stripped) >= set(want):
+            state = stripped
+        else:
+            missing = sorted(set(want) - set(state))
+            what = "policy" if model_id == ROOT else f"model {model_id!r}"
+            raise KeyError(
+                f"the weights given for {model_id!r} lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
+                f"workers' {what} (it has {len(want)} tensors: {sorted(want)[:5]}...); pass that module, "
+                f"TensorDict.from_module(module) or module.state_dict()"
+            )
+    out = {}
+    shapes = dict(zip(layout.names, layout.shapes))
+    for name, key in zip(names, want):
+        value = state[key]
+        if tuple(value.shape) != shapes[name]:
+            raise ValueError(
+                f"the weights given for {model_id!r} have {key!r} of shape {tuple(value.shape)}, but the workers' "
+                f"policy has it of shape {shapes[name]}: the model differs from the one the workers built"
+            )
+        out[name] = value
+    return out

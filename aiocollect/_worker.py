@@ -44,7 +44,6 @@ class Worker:
         self.free: deque[int] = deque()
         self.rollout: Any = None
         self.recorder: Any = None
-        self.stores: list[Any] = []
         self._next_tick = 0.0
 
     def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
@@ -63,10 +62,9 @@ class Worker:
         return got
 
     def apply_weights(self) -> None:
-        if self.stores:
-            version = self.rollout.apply_weights(self.stores)
-            if version is not None:
-                self.send(("applied", version, time.time()))
+        version = self.rollout.apply_weights()
+        if version is not None:
+            self.send(("applied", version, time.time()))
 
     def handle(self, msg: Any, fds: list[int] = ()) -> None:  # type: ignore[assignment]
         op = msg[0]
@@ -81,7 +79,7 @@ class Worker:
         elif op == "store":  # a store of this worker's own (per-worker weights)
             from ._weights import map_store
 
-            self.stores.append(map_store(fds[0], msg[1]))
+            self.rollout.add_store(map_store(fds[0], msg[1]))
             os.close(fds[0])
         elif op == "profile_off":
             if self.recorder is not None:
@@ -120,7 +118,7 @@ class Worker:
             if weight_layout is not None:
                 from ._weights import map_store
 
-                self.stores.append(map_store(fds[1], weight_layout))
+                rollout.add_store(map_store(fds[1], weight_layout))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -348,7 +348,6 @@ class LocalWorker(WorkerHandle):
         self.free: deque[int] = deque()
         self.wakeup = anyio.Event()
         self.recorder: Any = None
-        self.stores: list[Any] = []
         try:
             self.rollout = Rollout(cfg, local_policy=policy)
         except BaseException as exc:
@@ -381,13 +380,12 @@ class LocalWorker(WorkerHandle):
         self._wake()
 
     async def give_store(self, store: Any) -> None:
-        self.stores.append(store)
+        self.rollout.add_store(store)
 
     async def _apply_weights(self, on_applied: Any) -> None:
-        if self.stores:
-            version = self.rollout.apply_weights(self.stores)
-            if version is not None:
-                await on_applied(self, version)
+        version = self.rollout.apply_weights()
+        if version is not None:
+            await on_applied(self, version)
 
     async def serve(self, on_ready: Any, on_error: Any, on_applied: Any) -> None:
         batch = self.cfg.start_batch

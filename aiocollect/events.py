@@ -94,11 +94,13 @@ class EpisodeEnded(Event):
 
 @_event
 class WeightsUpdated(Event):
-    """New weights were published (``update_weights``)."""
+    """New weights were published (``update_weights``): ``model_ids`` are the models updated
+    together as ``version`` (``model_id`` is the first of them), ``workers`` those targeted."""
 
     version: int
     model_id: str
     workers: tuple[int, ...]
+    model_ids: tuple[str, ...] = ()
 
 
 @_event

@@ -8,7 +8,8 @@ collector's workers after each step. Every ``--eval-every``
 batches the current weights go to an :class:`Evaluator`, whose env and policy replica live in a
 process of its own: ``trigger`` returns at once, the loop keeps collecting, and results are
 printed by an ``EvaluationCompleted`` handler as they arrive (a trigger while one is still
-running is skipped: ``busy_policy="skip"``).
+running is skipped: ``busy_policy="skip"``; ``--busy-policy queue`` evaluates every trigger, in
+order).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ async def main(args: argparse.Namespace) -> None:
         num_trajectories=args.trajectories,
         max_steps=args.max_steps,
         seed=1000,  # the same start states in every evaluation: results are comparable
+        busy_policy=args.busy_policy,
     )
 
     @evaluator.on(EvaluationCompleted)
@@ -110,6 +112,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--frames-per-batch", type=int, default=1024)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--envs-per-worker", type=int, default=4)
+    p.add_argument("--busy-policy", choices=("skip", "queue"), default="skip",
+                   help="a trigger while an evaluation runs: skip it, or queue it (every trigger is evaluated)")
     return p.parse_args()
 
 

@@ -756,7 +756,8 @@ async def test_evaluator_and_collector_run_in_the_same_event_loop():
 def test_example_runs_and_prints_evaluation_results():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "evaluator.py"), "--batches", "6", "--eval-every", "2",
-         "--trajectories", "3", "--frames-per-batch", "256", "--workers", "1", "--envs-per-worker", "2"],
+         "--trajectories", "3", "--frames-per-batch", "256", "--workers", "1", "--envs-per-worker", "2",
+         "--busy-policy", "queue"],  # every trigger evaluated, however slow the machine
         capture_output=True,
         text=True,
         timeout=60,
@@ -764,5 +765,5 @@ def test_example_runs_and_prints_evaluation_results():
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("eval")]
-    assert len(lines) >= 2, proc.stdout
-    assert "return_mean" in proc.stdout and "final" in proc.stdout
+    assert [line.split(":")[0] for line in lines] == [f"eval  batch    {b}" for b in (2, 4, 6)], proc.stdout
+    assert "return_mean" in proc.stdout and "final evaluation (batch 6)" in proc.stdout

@@ -3,6 +3,8 @@ half-written, acknowledged; every frame carries the version of the weights that 
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import pytest
 import torch
@@ -162,3 +164,232 @@ async def test_weight_sync_errors_name_the_cause():
     async with Collector(counting, frames_per_batch=16, num_workers=1) as c:
         with pytest.raises(AiocollectError, match="no weights"):
             await c.update_weights(net)
+
+
+# -- several models per worker, and distinct policies per worker ----------------------------------
+
+
+class Vec(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+class TwoModels(torch.nn.Module):
+    """An actor and a critic in one policy (``policy.actor``, ``policy.critic``): each frame
+    records the identity of both weight vectors and whether either was torn."""
+
+    def __init__(self, actor: int = 256, critic: int = 64) -> None:
+        super().__init__()
+        self.actor = Vec(actor)
+        self.critic = Vec(critic)
+
+    def forward(self, obs):
+        n = obs.shape[0]
+        a, c = self.actor.w.detach(), self.critic.w.detach()
+        spread = (a.max() - a.min()) + (c.max() - c.min())
+        return (torch.zeros(n, dtype=torch.int64), a.mean().expand(n).clone(), c.mean().expand(n).clone(),
+                spread.expand(n).clone())
+
+
+def two_models(actor: int = 256, critic: int = 64) -> TensorDictModule:
+    return TensorDictModule(TwoModels(actor, critic), in_keys=["observation"],
+                            out_keys=["action", "actor_id", "critic_id", "spread"])
+
+
+def filled(n: int, value: float) -> Vec:
+    v = Vec(n)
+    with torch.no_grad():
+        v.w.fill_(value)
+    return v
+
+
+@pytest.mark.parametrize("num_workers,delivery", [(0, "sync"), (2, "sync"), (2, "async")])
+async def test_weights_dict_updates_several_models_as_one_version(num_workers, delivery):
+    frames = []
+    async with Collector(counting, two_models(), frames_per_batch=16, total_frames=16 * 30, num_workers=num_workers,
+                         envs_per_worker=2, delivery=delivery) as c:
+        updated = []
+        c.on(WeightsUpdated, updated.append)
+
+        async def updater():
+            version = 0
+            while True:
+                version += 1
+                got = await c.update_weights(
+                    weights_dict={"policy.actor": filled(256, version), "policy.critic": filled(64, version)}, wait=False
+                )
+                assert got == version
+                await anyio.sleep(0.003)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(updater)
+            async for batch in c:
+                frames.append(batch)
+                if len(frames) == 29:
+                    tg.cancel_scope.cancel()
+    data = torch.cat([b.reshape(-1) for b in frames])
+    version = data["collector", "policy_version"].float()
+    assert len(version.unique()) >= 2, "the updates should land during collection"
+    torn = (data["actor_id"] != version) | (data["critic_id"] != version)
+    assert not torn.any(), (
+        f"{int(torn.sum())} frames saw one model's weights without the other's: versions {version[torn][:8].tolist()}, "
+        f"actor {data['actor_id'][torn][:8].tolist()}, critic {data['critic_id'][torn][:8].tolist()}"
+    )
+    assert (data["spread"] == 0).all(), "half-written weights"
+    assert updated[0].model_ids == ("policy.actor", "policy.critic") and updated[0].model_id == "policy.actor"
+
+
+async def test_a_submodule_update_leaves_the_rest_of_the_policy_as_it_was():
+    policy = two_models()
+    with torch.no_grad():
+        policy.module.critic.w.fill_(-1)  # what the workers start with
+    async with Collector(counting, policy, frames_per_batch=16, num_workers=2, envs_per_worker=2, prefetch=0) as c:
+        assert await c.update_weights(filled(256, 5), model_id="policy.actor") == 1
+        batch = await c.collect()
+        assert (batch["actor_id"] == 5).all() and (batch["critic_id"] == -1).all()
+        # the TensorDictModule's own path, and a state dict of the submodule, work too
+        await c.update_weights(filled(64, 7).state_dict(), model_id="policy.module.critic")
+        batch = await c.collect()
+        assert (batch["actor_id"] == 5).all() and (batch["critic_id"] == 7).all()
+        assert (batch["collector", "policy_version"] == 2).all()
+        # worker 1 alone gets a whole policy; then a broadcast of the actor: the newest change of
+        # each tensor wins, whichever store it came through
+        full = TwoModels()
+        with torch.no_grad():
+            full.actor.w.fill_(3)
+            full.critic.w.fill_(3)
+        await c.update_weights(full, worker_ids=[1])
+        await c.update_weights(filled(256, 9), model_id="policy.actor")
+        batch = await c.collect()
+    assert batch["actor_id"].eq(9).all()
+    assert batch["critic_id"][:2].eq(7).all() and batch["critic_id"][2:].eq(3).all()
+    assert batch["collector", "policy_version"].eq(4).all()
+
+
+async def test_none_updates_a_submodule_from_the_constructors_policy():
+    policy = two_models()
+    async with Collector(counting, policy, frames_per_batch=16, num_workers=1, envs_per_worker=2, prefetch=0) as c:
+        with torch.no_grad():
+            policy.module.actor.w.fill_(4)
+            policy.module.critic.w.fill_(4)
+        await c.update_weights(model_id="policy.critic")
+        batch = await c.collect()
+    assert (batch["critic_id"] == 4).all() and (batch["actor_id"] == 0).all()
+
+
+def small_factory():
+    return two_models(actor=256, critic=64)
+
+
+def large_factory():
+    return two_models(actor=512, critic=64)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_one_policy_factory_per_worker_each_with_its_own_weights(num_workers):
+    factories = [small_factory, large_factory][: max(num_workers, 1)]
+    async with Collector(counting, policy_factory=factories, frames_per_batch=16, num_workers=num_workers,
+                         envs_per_worker=2, prefetch=0) as c:
+        last = factories[-1]
+        with pytest.raises(ValueError, match=r"worker 0: .*'actor.w' of shape \(512,\).* shape \(256,\)") if num_workers else contextlib.nullcontext():
+            # distinct shapes: the large actor does not fit worker 0's policy
+            await c.update_weights(last().module, worker_ids=None)
+        for w, n in enumerate([256, 512][: c.config.workers]):
+            model = TwoModels(actor=n)
+            with torch.no_grad():
+                model.actor.w.fill_(10 + w)
+                model.critic.w.fill_(10 + w)
+            await c.update_weights(model, worker_ids=[w])
+        # the critic has the same shape in both: one broadcast updates it everywhere
+        version = await c.update_weights(filled(64, 1), model_id="policy.critic")
+        assert c.worker_versions == (version,) * c.config.workers
+        batch = await c.collect()
+    for w in range(c.config.workers):
+        rows = slice(2 * w, 2 * w + 2)
+        assert batch["actor_id"][rows].eq(10 + w).all() and batch["critic_id"][rows].eq(1).all()
+
+
+async def test_multi_model_errors_name_the_cause():
+    with pytest.raises(ConfigError, match="list of 3 factories but there are 2 workers"):
+        Collector(counting, policy_factory=[small_factory] * 3, frames_per_batch=16, num_workers=2)
+    with pytest.raises(ConfigError, match=r"policy_factory\[1\]=3 is not callable"):
+        Collector(counting, policy_factory=[small_factory, 3], frames_per_batch=16, num_workers=2)
+    async with Collector(counting, two_models(), frames_per_batch=16, num_workers=1, envs_per_worker=2) as c:
+        with pytest.raises(ValueError, match="no submodule 'value'.*'policy.actor', 'policy.critic'"):
+            await c.update_weights(filled(64, 1), model_id="policy.value")
+        with pytest.raises(ValueError, match="'policy' and 'policy.actor' overlap"):
+            await c.update_weights(weights_dict={"policy": TwoModels(), "policy.actor": filled(256, 1)})
+        with pytest.raises(ValueError, match="either weights_dict"):
+            await c.update_weights(TwoModels(), weights_dict={"policy.actor": filled(256, 1)})
+        with pytest.raises(ValueError, match="non-empty"):
+            await c.update_weights(weights_dict={})
+        with pytest.raises(KeyError, match="for 'policy.critic' lack \\['w'\\]"):
+            await c.update_weights({"v": torch.zeros(64)}, model_id="policy.critic")
+        assert c.policy_version == 0  # nothing was published
+    async with Collector(counting, policy_factory=small_factory, frames_per_batch=16, num_workers=1) as c:
+        with pytest.raises(ValueError, match="no policy of its own"):
+            await c.update_weights(model_id="policy.actor")
+
+
+# -- the store itself --------------------------------------------------------------------------
+
+
+def store_and_reader(values=(0.0, 0.0)):
+    from aiocollect._weights import WeightReader, WeightStore
+
+    def model():
+        m = torch.nn.Module()
+        m.a, m.b = filled(8, values[0]), filled(4, values[1])
+        return m
+
+    worker = model()
+    reader = WeightReader(worker)
+    store = WeightStore.create(reader.layout, bytearray(reader.layout.nbytes))
+    reader.add(store)
+    return store, reader, worker
+
+
+def test_store_partial_updates_carry_over_and_readers_copy_only_what_changed():
+    store, reader, worker = store_and_reader(values=(-1, -2))
+    store.publish({"a.w": torch.full((8,), 2.0)}, 1)  # only "a": "b" keeps the worker's own value
+    assert reader.apply() == 1 and worker.a.w.eq(2).all() and worker.b.w.eq(-2).all()
+    assert reader.have.tolist() == [1, 0]
+    store.publish({"b.w": torch.full((4,), 3.0)}, 2)  # into the other buffer: "a" carried over
+    store.publish({"b.w": torch.full((4,), 4.0)}, 3)
+    with torch.no_grad():
+        worker.a.w.fill_(99)  # a reader copies only tensors changed since its version: "a" is not
+    assert reader.apply() == 3 and worker.a.w.eq(99).all() and worker.b.w.eq(4).all()
+    assert reader.have.tolist() == [1, 3] and reader.apply() is None
+    fresh_store_reader = store_and_reader()[1:]
+    late, late_worker = fresh_store_reader
+    late.add(store)  # a reader that saw nothing gets every tensor ever published, at its newest
+    assert late.apply() == 3 and late_worker.a.w.eq(2).all() and late_worker.b.w.eq(4).all()
+
+
+def test_store_failed_publish_is_never_seen_and_the_next_one_is_complete():
+    store, reader, worker = store_and_reader()
+    store.publish({"a.w": torch.full((8,), 1.0), "b.w": torch.full((4,), 1.0)}, 1)
+    with pytest.raises(RuntimeError):
+        store.publish({"a.w": torch.full((8,), 5.0), "b.w": torch.zeros(3)}, 2)  # "a" written, then it fails
+    assert store.latest_version == 1 and all(int(s) % 2 == 0 for s in store.header[:2])
+    assert reader.apply() == 1 and worker.a.w.eq(1).all()
+    store.publish({"b.w": torch.full((4,), 6.0)}, 2)
+    store.publish({"b.w": torch.full((4,), 7.0)}, 3)
+    assert reader.apply() == 3 and worker.a.w.eq(1).all() and worker.b.w.eq(7).all()
+
+
+@pytest.mark.parametrize("order", ["shared first", "own first"])
+def test_reader_takes_the_newest_change_of_each_tensor_across_stores(order):
+    from aiocollect._weights import WeightReader, WeightStore
+
+    shared, reader, worker = store_and_reader()
+    own = WeightStore.create(reader.layout, bytearray(reader.layout.nbytes))
+    r2 = WeightReader(worker)
+    for s in ([shared, own] if order == "shared first" else [own, shared]):
+        r2.add(s)
+    shared.publish({"a.w": torch.full((8,), 1.0), "b.w": torch.full((4,), 1.0)}, 1)
+    own.publish({"a.w": torch.full((8,), 2.0), "b.w": torch.full((4,), 2.0)}, 2)  # this worker only
+    shared.publish({"a.w": torch.full((8,), 3.0)}, 3)  # everyone's "a"
+    assert r2.apply() == 3
+    assert worker.a.w.eq(3).all() and worker.b.w.eq(2).all()
