@@ -12,14 +12,12 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import os
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import anyio
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from . import _shm
 from . import events as ev
 from ._bus import EventBus, Overflow, Subscription
 from ._config import CollectorConfig
@@ -39,6 +37,7 @@ from ._rollout import RolloutConfig
 from ._split import split_trajectories
 from ._resource import AsyncResource, unwrap_group as _unwrap
 from ._systask import spawn_system_task
+from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
 
 E = TypeVar("E", bound=ev.Event)
@@ -192,13 +191,7 @@ class Collector(AsyncResource):
         self._drained = anyio.Event()
         self._profile: ProfileConfig | None = None
         self._recorder: Recorder | None = None
-        self._store: Any = None  # the weight store all workers read (None: none, or distinct policies)
-        self._worker_stores: dict[int, Any] = {}  # per-worker stores, made on first need
-        self._weight_layouts: list[Any] = []  # per worker (None: its policy has no weights)
-        self._version = 0
-        self._acked: list[int] = []
-        self._published_at: dict[int, float] = {}
-        self._ack_event = anyio.Event()
+        self._sync = WeightSync(policy, num_workers == 0, self._emit)
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             needs = PolicySpec("random" if policy is None and policy_factory is None else
@@ -229,12 +222,12 @@ class Collector(AsyncResource):
     def policy_version(self) -> int:
         """Latest weight version published (0: the weights the policy had at start). Each
         :meth:`update_weights` adds one."""
-        return self._version
+        return self._sync.version
 
     @property
     def worker_versions(self) -> tuple[int, ...]:
         """Per worker, the weight version it acknowledged applying (at a batch boundary)."""
-        return tuple(self._acked)
+        return tuple(self._sync.acked)
 
     async def update_weights(
         self,
@@ -277,134 +270,19 @@ class Collector(AsyncResource):
             updates = dict(weights_dict)
         else:
             updates = {model_id: policy_or_weights}
-        self._check_model_ids(updates)
+        sync = self._sync
+        sync.check_model_ids(updates)
         if self._state is State.CREATED:
             await self.start()
         if self._state is not State.RUNNING:
             raise CollectorClosedError(f"update_weights() on a collector that is {self._state.value}")
-        targets = self._targets(worker_ids)
-        no_weights = [w for w in targets if self._weight_layouts[w] is None]
-        if no_weights:
-            raise AiocollectError(
-                f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
-                f"has no weights to update (random actions, or a policy that is not an nn.Module)"
-            )
-        version = await self._publish(updates, targets)
-        if wait:
-            while any(self._acked[w] < version for w in targets):
-                if self._state is not State.RUNNING:
-                    if self._error is not None:
-                        raise self._error
-                    raise CollectorClosedError(f"the collector stopped before workers applied version {version}")
-                self._ack_event = event = anyio.Event()
-                with anyio.move_on_after(0.5):  # re-check the state now and then
-                    await event.wait()
+        targets = sync.targets(worker_ids, self.config.workers)
+        version = await sync.publish(updates, targets)
+        if wait and not await sync.wait_applied(version, targets, lambda: self._state is State.RUNNING):
+            if self._error is not None:
+                raise self._error
+            raise CollectorClosedError(f"the collector stopped before workers applied version {version}")
         return version
-
-    def _check_model_ids(self, updates: Mapping[str, Any]) -> None:
-        ids = list(updates)
-        for a in ids:
-            if not isinstance(a, str) or not (a == "policy" or a.startswith("policy.")):
-                raise ValueError(
-                    f"model_id={a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
-                    f"'policy.<path>' (e.g. 'policy.actor')"
-                )
-            for b in ids:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(f"model ids {a!r} and {b!r} overlap: {b!r} is part of {a!r}; pass one of them")
-        if any(w is None for w in updates.values()) and self.config.policy is None:
-            raise ValueError(
-                "update_weights() needs weights: this collector was built with policy_factory, so it has no "
-                "policy of its own to take them from"
-            )
-
-    def _targets(self, worker_ids: Any) -> list[int]:
-        n = self.config.workers
-        if worker_ids is None:
-            return list(range(n))
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        bad = [w for w in ids if not isinstance(w, int) or not 0 <= w < n]
-        if bad or not ids:
-            raise ValueError(f"worker_ids={worker_ids!r}: this collector has workers 0..{n - 1}")
-        return sorted(set(ids))
-
-    def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
-        """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
-        from ._weights import match_state, state_of
-
-        state: dict[str, Any] = {}
-        for model_id, weights in updates.items():
-            try:
-                if weights is None:  # the constructor's policy: the model's part of it
-                    state.update(match_state(state_of(self.config.policy), layout, model_id, whole=True))
-                else:
-                    state.update(match_state(state_of(weights), layout, model_id))
-            except (KeyError, ValueError) as exc:
-                if worker is None:
-                    raise
-                raise type(exc)(f"worker {worker}: {exc.args[0]}") from None
-        return state
-
-    async def _publish(self, updates: Mapping[str, Any], targets: list[int]) -> int:
-        shared = self._store is not None and len(targets) == self.config.workers
-        if shared:
-            writes = [(self._store, self._state_for(self._store.layout, updates, None))]
-        else:
-            writes, by_layout = [], {}
-            for w in targets:
-                layout = self._weight_layouts[w]
-                key = id(layout) if self._store is None else 0  # one layout for all: match once
-                if key not in by_layout:
-                    by_layout[key] = self._state_for(layout, updates, None if self._store else w)
-                writes.append((w, by_layout[key]))
-        self._version += 1
-        version = self._version
-        self._published_at[version] = time.perf_counter()
-        for store, state in writes:
-            if not shared:
-                store = await self._worker_store(store)
-            store.publish(state, version)
-        workers = {w.index: w for w in self._workers}
-        for w in targets:
-            workers[w].nudge()
-        ids = tuple(updates)
-        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
-        return version
-
-    async def _worker_store(self, index: int) -> Any:
-        store = self._worker_stores.get(index)
-        if store is None:
-            store = self._new_store(self._weight_layouts[index], f"w{index}-weights")
-            worker = next(w for w in self._workers if w.index == index)
-            try:
-                await worker.give_store(store)
-            finally:
-                self._close_store_fds()
-            self._worker_stores[index] = store
-        return store
-
-    def _new_store(self, layout: Any, name: str) -> Any:
-        from ._weights import WeightStore
-
-        if self.config.num_workers == 0:
-            store = WeightStore.create(layout, bytearray(layout.nbytes))
-            store.fd = None
-            return store
-        fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-{name}")
-        store = WeightStore.create(layout, mm)
-        store.fd = fd  # closed once the workers have it
-        self._store_fds.append(fd)
-        return store
-
-    async def _on_applied(self, worker: WorkerHandle, version: int) -> None:
-        if version > self._acked[worker.index]:
-            self._acked[worker.index] = version
-        self._ack_event.set()
-        published = self._published_at.get(version)
-        await self._emit(
-            ev.WeightsApplied, version=version, worker=worker.index,
-            latency=0.0 if published is None else time.perf_counter() - published,
-        )
 
     def __repr__(self) -> str:
         c = self.config
@@ -792,7 +670,7 @@ class Collector(AsyncResource):
                     self._state = State.RUNNING
                     self._started.set()
                     for w in self._workers:
-                        tg.start_soon(w.serve, self._wake, self._worker_failed, self._on_applied)
+                        tg.start_soon(w.serve, self._wake, self._worker_failed, self._sync.on_applied)
                     tg.start_soon(self._produce)
                     if self._sink is not None:
                         tg.start_soon(self._drain_into_sink)
@@ -825,16 +703,8 @@ class Collector(AsyncResource):
             self._started.set()
             self._done.set()
 
-    def _close_store_fds(self) -> None:
-        for fd in getattr(self, "_store_fds", ()):
-            os.close(fd)
-        self._store_fds = []
-
     async def _stop_workers(self) -> None:
-        self._close_store_fds()
-        self._store = None  # unmapped once nothing refers to it
-        self._worker_stores.clear()
-        self._ack_event.set()
+        self._sync.close()
         workers, self._workers = self._workers, []
         self._keep_pids = tuple(w.pid for w in workers if w.pid is not None)
         try:
@@ -936,21 +806,16 @@ class Collector(AsyncResource):
                 )
         leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
         self._layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
-        self._acked = [0] * len(self._workers)
-        self._store_fds: list[int] = []
-        self._weight_layouts = [s.get("weights") for s in specs]
-        first = self._weight_layouts[0]
-        if first is not None and all(w == first for w in self._weight_layouts):
-            self._store = self._new_store(first, "weights")
         try:
+            store = self._sync.setup([s.get("weights") for s in specs], self._workers)
             if c.num_workers == 0:
                 self._workers[0].setup(self._layout)  # type: ignore[attr-defined]
-                if self._store is not None:
-                    await self._workers[0].give_store(self._store)
+                if store is not None:
+                    await self._workers[0].give_store(store)
             else:
-                await setup_process_slots(self._workers, self._layout, self._store)  # type: ignore[arg-type]
+                await setup_process_slots(self._workers, self._layout, store)  # type: ignore[arg-type]
         finally:
-            self._close_store_fds()
+            self._sync.close_fds()
         if self._profile is not None and self._profile.profile_collector:
             self._recorder = Recorder(self._profile.for_worker(), self._profile.path_for("collector"))
         if c.progress:
@@ -965,11 +830,11 @@ class Collector(AsyncResource):
             target = min(remaining, self._run_requested() + self.config.prefetch)
             if (
                 self.config.update_at_each_batch
-                and self._store is not None
+                and self._sync.can_pull
                 and any(w.credits_sent < target for w in self._workers)
             ):
                 # pulled right before the workers may start the next batch(es)
-                await self._publish({"policy": None}, list(range(self.config.workers)))
+                await self._sync.publish({"policy": None}, list(range(self.config.workers)))
         else:
             target = remaining
         for w in self._workers:
@@ -1043,8 +908,8 @@ class Collector(AsyncResource):
             if self._pending_error is not None and not self._deliverable():
                 await self._raise_failure()
             index = self._batches_at_start + produced
-            if c.update_at_each_batch and self._store is not None and not sync:
-                await self._publish({"policy": None}, list(range(c.workers)))
+            if c.update_at_each_batch and self._sync.can_pull and not sync:
+                await self._sync.publish({"policy": None}, list(range(c.workers)))
             if self._recorder is not None:
                 self._recorder.before(rounds)
             await self._emit(ev.BeforeRollout, index=index)

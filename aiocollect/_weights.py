@@ -96,12 +96,28 @@ class WeightLayout:
         )
 
     def _examples(self) -> list[str]:
-        seen: list[str] = []
+        """Submodule paths with weights, outermost first (a few)."""
+        paths: list[str] = []
         for n in self.names:
-            head = n.split(".")[0] if "." in n else None
-            if head is not None and f"{ROOT}.{head}" not in seen:
-                seen.append(f"{ROOT}.{head}")
-        return seen[:6] or [ROOT]
+            parts = n.split(".")[:-1]
+            for k in range(1, len(parts) + 1):
+                p = f"{ROOT}." + ".".join(parts[:k])
+                if p not in paths:
+                    paths.append(p)
+        paths.sort(key=lambda p: (p.count("."), self._first_use(p)))
+        return paths[:8] or [ROOT]
+
+    def _first_use(self, path: str) -> int:
+        prefix = path[len(ROOT) + 1:] + "."
+        return next(i for i, n in enumerate(self.names) if n.startswith(prefix))
+
+
+class WeightsMismatchError(KeyError):
+    """The weights given lack tensors of the model they are for (a ``KeyError`` whose message
+    is printed as it is)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class WeightStore:
@@ -265,13 +281,17 @@ def match_state(state: Mapping[str, Any], layout: WeightLayout, model_id: str = 
         stripped = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("module.")}
         if set(stripped) >= set(want):
             state = stripped
+        elif prefix and (set(state) >= set(names) or set(stripped) >= set(names)):
+            # keyed as the whole policy names them (the policy itself, or its state dict)
+            state, want = (state if set(state) >= set(names) else stripped), list(names)
         else:
             missing = sorted(set(want) - set(state))
             what = "policy" if model_id == ROOT else f"model {model_id!r}"
-            raise KeyError(
+            listed = sorted(want)[:5]
+            raise WeightsMismatchError(
                 f"the weights given for {model_id!r} lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
-                f"workers' {what} (it has {len(want)} tensors: {sorted(want)[:5]}...); pass that module, "
-                f"TensorDict.from_module(module) or module.state_dict()"
+                f"workers' {what} (it has {len(want)} tensors: {listed}{' ...' if len(want) > 5 else ''}); pass "
+                f"that module, TensorDict.from_module(module) or module.state_dict()"
             )
     out = {}
     shapes = dict(zip(layout.names, layout.shapes))

@@ -23,6 +23,24 @@ For each of them, with ``--workers`` x ``--envs-per-worker`` envs (default 2 x 8
    reported. Then the **sender-side cost of the publish alone**: the time ``update_weights(...,
    wait=False)`` takes to return (state dict -> shared memory, nudges), same counts; after each, the
    benchmark waits (untimed) for the workers to apply it.
+
+   For the big model only, the same idle collector then measures a **partial update**: the output
+   layer alone (the last ``nn.Linear``, 4,482 parameters at the default size), published with
+   ``update_weights(layer, model_id="policy.net.6")``. The workers run the policy module itself (a plain
+   ``nn.Module``, not wrapped), so the id is "policy." + the layer's ``get_submodule`` path. The store
+   records per tensor the version that last changed it: the publisher copies only that layer (plus the
+   tensors the other buffer changed since it was last written) and each worker only the tensors changed
+   since its version. So that the ratio is fair on a noisy machine, whole-model and partial updates are
+   interleaved: ``--n-big`` rounds (after 2 discarded) of [whole model, output layer, output layer] with
+   ``wait=True`` (latency to all workers applied), then as many rounds with ``wait=False`` (publish
+   alone; after each update the benchmark waits, untimed, for the workers). The first output-layer
+   update of a round follows a whole-model one, so its publisher also carries every tensor over into
+   the other buffer (about a whole-model copy): it is reported apart ("after a whole update"); the
+   second is the steady state ("output layer only"). Each update changes a value of what it publishes.
+   Then, untimed, a check that the workers really run the new layer: the output layer is negated
+   (every action flips) and published alone; every worker must have acknowledged that version
+   (``collector.worker_versions``), and one batch is collected (the only one this collector delivers):
+   it must carry that version, and its actions (256 of its frames) must be the local policy's.
 2. **aiocollect while collecting**: a second collector (default ``prefetch=2``) with a consumer task
    pulling batches back to back, so the workers are always inside a batch; they apply new weights only
    at their next batch boundary, so the latency includes waiting for the batch in progress to finish.
@@ -44,7 +62,7 @@ and the naive workers do. Percentiles are numpy's (linear interpolation): with 1
 between the two slowest. On a noisy machine compare the columns of one run (they are measured
 minutes apart at most), not absolute figures across runs.
 
-Run (about 70 s with the defaults on an idle machine)::
+Run (about 75 s with the defaults on an idle machine, 85 s on a loaded one)::
 
     .venv/bin/python benchmarks/weight_sync.py [--n 30] [--n-big 10] [--json benchmarks/results/weight_sync.json]
 
@@ -160,9 +178,18 @@ def state_nbytes(model: nn.Module) -> int:
 
 
 def perturb(model: nn.Module, version: int) -> None:
-    """Make the next version differ from the last: change one value (cheap, outside the timing)."""
+    """Make the next version differ from the last: change one value (cheap, outside the timing).
+    ``model`` may be a submodule (the output layer, for a partial update): its first parameter."""
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = 1e-3 * version
+
+
+def output_layer(model: nn.Module) -> tuple[str, nn.Linear]:
+    """``(model_id, layer)`` of the last ``nn.Linear``: the id names it as ``get_submodule`` does, under
+    "policy" (the workers run the module itself, not wrapped: ``WideArgmaxMLP`` -> ``"policy.net.6"``)."""
+    path, layer = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    assert model.get_submodule(path) is layer
+    return f"policy.{path}", layer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,17 +320,104 @@ async def _aiocollect_idle(collector_cls: Any, spec: ModelSpec, args: argparse.N
             await anyio.sleep(0.002)  # let the acknowledgements' events go before the next publish
         sub.close()
         frames = collector.frames
-    if frames:
-        raise RuntimeError(f"the idle collector delivered {frames} frames: its workers were not idle")
-    return Series(
-        stats_ms(latencies),
-        extra={
-            "samples_ms": [x * 1e3 for x in latencies],
-            "publish_ms": stats_ms(publish),
-            "publish_samples_ms": [x * 1e3 for x in publish],
-            "per_worker_applied_ms": {str(w): stats_ms(v) for w, v in sorted(per_worker.items())},
-            "collector_startup_s": startup,
-        },
+        if frames:
+            raise RuntimeError(f"the idle collector delivered {frames} frames: its workers were not idle")
+        partial = None
+        if spec.width is not None:  # the big model: + the partial update of its output layer
+            partial = await _partial_idle(collector, policy, n)
+    extra: dict[str, Any] = {
+        "samples_ms": [x * 1e3 for x in latencies],
+        "publish_ms": stats_ms(publish),
+        "publish_samples_ms": [x * 1e3 for x in publish],
+        "per_worker_applied_ms": {str(w): stats_ms(v) for w, v in sorted(per_worker.items())},
+        "collector_startup_s": startup,
+    }
+    if partial is not None:
+        extra["partial"] = partial
+    return Series(stats_ms(latencies), extra=extra)
+
+
+# The three kinds of update of the partial-update comparison, measured in rounds of one each.
+PARTIAL_KINDS = ("whole", "after_whole", "partial")
+
+
+async def _partial_round(collector: Any, policy: nn.Module, layer: nn.Module, model_id: str, wait: bool) -> list[float]:
+    """One round: the whole model, then the output layer twice. Each changes the values it publishes
+    first (untimed); returns the 3 durations of ``update_weights``. With ``wait=False`` each is
+    followed (untimed) by waiting until every worker applied it."""
+    import anyio
+
+    out = []
+    for kind in PARTIAL_KINDS:
+        perturb(policy if kind == "whole" else layer, collector.policy_version + 1)
+        t0 = time.perf_counter()
+        if kind == "whole":
+            version = await collector.update_weights(policy, wait=wait)
+        else:
+            version = await collector.update_weights(layer, model_id=model_id, wait=wait)
+        out.append(time.perf_counter() - t0)
+        if not wait:
+            await _settle(collector, version)
+            await anyio.sleep(0.002)  # let the acknowledgements' events go before the next publish
+    return out
+
+
+async def _partial_idle(collector: Any, policy: nn.Module, n: int) -> dict[str, Any]:
+    """Partial update (the output layer only) against the whole model, on the idle collector of
+    ``_aiocollect_idle``: ``n`` rounds (after ``WARMUP_UPDATES`` discarded) with ``wait=True``, then as
+    many with ``wait=False``; then one untimed check that the workers really run the new layer."""
+    model_id, layer = output_layer(policy)
+    applied: dict[str, list[float]] = {k: [] for k in PARTIAL_KINDS}
+    publish: dict[str, list[float]] = {k: [] for k in PARTIAL_KINDS}
+    for wait, into in ((True, applied), (False, publish)):
+        for i in range(WARMUP_UPDATES + n):
+            durations = await _partial_round(collector, policy, layer, model_id, wait)
+            if i >= WARMUP_UPDATES:
+                for kind, dt in zip(PARTIAL_KINDS, durations, strict=True):
+                    into[kind].append(dt)
+    result: dict[str, Any] = {
+        "model_id": model_id,
+        "params": count_params(layer),
+        "bytes": state_nbytes(layer),
+        "rounds": n,
+    }
+    for kind in PARTIAL_KINDS:
+        result[kind] = {
+            "applied_ms": stats_ms(applied[kind]),
+            "applied_samples_ms": [x * 1e3 for x in applied[kind]],
+            "publish_ms": stats_ms(publish[kind]),
+            "publish_samples_ms": [x * 1e3 for x in publish[kind]],
+        }
+    result["verified"] = await _verify_partial(collector, policy, layer, model_id)
+    return result
+
+
+async def _verify_partial(collector: Any, policy: nn.Module, layer: nn.Module, model_id: str) -> str:
+    """Untimed: negate the output layer (every action flips) and publish it alone; check that every
+    worker acknowledged that version, then collect one batch and check that it carries that version
+    and that its actions are the local policy's (on 256 of its frames). The workers' other layers
+    must equal the local ones too (they came from the whole-model updates). Returns ``"ok: ..."`` or
+    what went wrong (``"FAILED: ..."``)."""
+    with torch.no_grad():
+        layer.weight.neg_()
+        layer.bias.neg_()
+    version = await collector.update_weights(layer, model_id=model_id)
+    if min(collector.worker_versions) != version:
+        return f"FAILED: worker versions {collector.worker_versions} after update_weights(wait=True) of version {version}"
+    batch = (await collector.collect()).reshape(-1)
+    versions = batch["collector", "policy_version"]
+    if not bool((versions == version).all()):
+        return f"FAILED: the batch carries versions {sorted(set(versions.tolist()))}, not {version}"
+    idx = torch.linspace(0, batch.numel() - 1, min(256, batch.numel())).long()
+    with torch.no_grad():
+        expected = policy(batch["observation"][idx])
+    same = int((batch["action"][idx] == expected).sum())
+    if same != idx.numel():
+        return f"FAILED: {same}/{idx.numel()} actions of the batch are the local policy's (version {version})"
+    return (
+        f"ok: version {version} (the output layer negated) applied by every worker; a batch collected after it "
+        f"carries that version and {same}/{idx.numel()} of its actions checked are the local policy's (with the "
+        f"output layer before the update, none would be)"
     )
 
 
@@ -519,6 +633,46 @@ def _sub(s: Series, key: str, keys: tuple[str, ...] = ("p50", "p90")) -> str:
     return " / ".join(_ms(d[k]) for k in keys) + " ms"
 
 
+def _partial_table(spec: ModelSpec, part: dict[str, Any]) -> None:
+    """The partial-update comparison (rounds of: whole model, output layer, output layer)."""
+    log("")
+    log(
+        f"partial update ({spec.name}, output layer only: model_id={part['model_id']!r}, {part['params']:,} params, "
+        f"{part['bytes'] / 1e3:.1f} kB), workers idle, {part['rounds']} interleaved rounds"
+    )
+    log(f"{'':<34} {'idle p50/p90':>18}  {'publish alone p50/p90':>22}  {'speed-up (p50) idle / publish':>29}")
+    rows = (
+        ("whole model", "whole"),
+        ("output layer only", "partial"),
+        ("output layer, after a whole update", "after_whole"),
+    )
+    whole = part["whole"]
+    for label, kind in rows:
+        r = part[kind]
+        cells = [_pair(r["applied_ms"]), _pair(r["publish_ms"])]
+        speedup = ""
+        if kind != "whole":
+            speedup = f"{_ratio(whole['applied_ms'], r['applied_ms'])} / {_ratio(whole['publish_ms'], r['publish_ms'])}"
+        log(f"{label:<34} {cells[0]:>18}  {cells[1]:>22}  {speedup:>29}")
+    log(
+        "output layer only: steady state (the previous update was one of the layer too); after a whole update: the\n"
+        "first one after a whole-model update, whose publisher also carries every tensor the whole update changed\n"
+        "over into the other shared buffer (the workers still copy only the layer)"
+    )
+    if not part["verified"].startswith("ok"):
+        log(f"WARNING: partial update check {part['verified']}")
+
+
+def _pair(d: dict[str, float]) -> str:
+    return "-" if not d.get("n") else f"{_ms(d['p50'])} / {_ms(d['p90'])} ms"
+
+
+def _ratio(num: dict[str, float], den: dict[str, float]) -> str:
+    if not num.get("n") or not den.get("n") or den["p50"] <= 0:
+        return "-"
+    return f"{num['p50'] / den['p50']:.1f}x"
+
+
 def main(args: argparse.Namespace) -> int:
     become_subreaper()  # so that the leftover checks also see orphans of our children
     torch.set_num_threads(1)
@@ -595,6 +749,13 @@ def main(args: argparse.Namespace) -> int:
             per = s.extra["per_worker_applied_ms"]
             log("     WeightsApplied latency per worker: "
                 + "; ".join(f"worker {w}: {_fmt(d, ('p50', 'max'))}" for w, d in per.items()))  # fmt: skip
+        part = s.extra.get("partial")
+        if part:
+            log(
+                f"     partial update, model_id={part['model_id']!r} ({part['params']:,} params), applied: "
+                f"{_fmt(part['partial']['applied_ms'])}; publish alone: {_fmt(part['partial']['publish_ms'])}"
+            )
+            log(f"     partial update check: {part['verified']}")
         if kind == "collecting":
             bp = s.extra["batch_period_ms"]
             log(
@@ -642,6 +803,10 @@ def main(args: argparse.Namespace) -> int:
         "idle: transfer + apply only; collecting: + waiting for the batch in progress (about U(0, batch period));\n"
         "publish alone: update_weights(wait=False), the trainer's side; serialize: torch.save of the state dict"
     )
+    for spec in specs:
+        part = results[spec.key]["idle"].extra.get("partial")
+        if part:
+            _partial_table(spec, part)
     if leftovers:
         log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
 

@@ -253,6 +253,16 @@ async def test_a_submodule_update_leaves_the_rest_of_the_policy_as_it_was():
         batch = await c.collect()
         assert (batch["actor_id"] == 5).all() and (batch["critic_id"] == 7).all()
         assert (batch["collector", "policy_version"] == 2).all()
+        # and so does the whole policy (or its state dict) with a submodule's id: only that part is taken
+        whole = two_models()
+        with torch.no_grad():
+            whole.module.actor.w.fill_(8)
+            whole.module.critic.w.fill_(8)
+        await c.update_weights(whole, model_id="policy.critic")
+        await c.update_weights(whole.state_dict(), model_id="policy.critic")
+        batch = await c.collect()
+        assert (batch["actor_id"] == 5).all() and (batch["critic_id"] == 8).all()
+        await c.update_weights(filled(64, 7), model_id="policy.critic")
         # worker 1 alone gets a whole policy; then a broadcast of the actor: the newest change of
         # each tensor wins, whichever store it came through
         full = TwoModels()
@@ -264,7 +274,7 @@ async def test_a_submodule_update_leaves_the_rest_of_the_policy_as_it_was():
         batch = await c.collect()
     assert batch["actor_id"].eq(9).all()
     assert batch["critic_id"][:2].eq(7).all() and batch["critic_id"][2:].eq(3).all()
-    assert batch["collector", "policy_version"].eq(4).all()
+    assert batch["collector", "policy_version"].eq(7).all()
 
 
 async def test_none_updates_a_submodule_from_the_constructors_policy():
@@ -316,15 +326,17 @@ async def test_multi_model_errors_name_the_cause():
     with pytest.raises(ConfigError, match=r"policy_factory\[1\]=3 is not callable"):
         Collector(counting, policy_factory=[small_factory, 3], frames_per_batch=16, num_workers=2)
     async with Collector(counting, two_models(), frames_per_batch=16, num_workers=1, envs_per_worker=2) as c:
-        with pytest.raises(ValueError, match="no submodule 'value'.*'policy.actor', 'policy.critic'"):
+        with pytest.raises(ValueError, match="no submodule 'value'.*\\['policy.actor', 'policy.critic'\\]"):
             await c.update_weights(filled(64, 1), model_id="policy.value")
         with pytest.raises(ValueError, match="'policy' and 'policy.actor' overlap"):
             await c.update_weights(weights_dict={"policy": TwoModels(), "policy.actor": filled(256, 1)})
+        with pytest.raises(ValueError, match="'policy.actor' and 'policy.module.actor' overlap: both update 'actor.w'"):
+            await c.update_weights(weights_dict={"policy.actor": filled(256, 1), "policy.module.actor": filled(256, 2)})
         with pytest.raises(ValueError, match="either weights_dict"):
             await c.update_weights(TwoModels(), weights_dict={"policy.actor": filled(256, 1)})
         with pytest.raises(ValueError, match="non-empty"):
             await c.update_weights(weights_dict={})
-        with pytest.raises(KeyError, match="for 'policy.critic' lack \\['w'\\]"):
+        with pytest.raises(KeyError, match=r"^the weights given for 'policy.critic' lack \['w'\] .* tensors: \['w'\]\);"):
             await c.update_weights({"v": torch.zeros(64)}, model_id="policy.critic")
         assert c.policy_version == 0  # nothing was published
     async with Collector(counting, policy_factory=small_factory, frames_per_batch=16, num_workers=1) as c:
@@ -393,3 +405,13 @@ def test_reader_takes_the_newest_change_of_each_tensor_across_stores(order):
     shared.publish({"a.w": torch.full((8,), 3.0)}, 3)  # everyone's "a"
     assert r2.apply() == 3
     assert worker.a.w.eq(3).all() and worker.b.w.eq(2).all()
+
+
+def test_unknown_model_ids_are_answered_with_the_submodules_that_exist():
+    from aiocollect._weights import WeightLayout
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Sequential(torch.nn.Linear(8, 2)))
+    layout = WeightLayout.of(net.state_dict())
+    with pytest.raises(ValueError, match=r"include \['policy.0', 'policy.2', 'policy.2.0'\]"):
+        layout.select("policy.1")
+    assert layout.select("policy.2.0") == ("2.0.", ("2.0.weight", "2.0.bias"))

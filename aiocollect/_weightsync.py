@@ -1,0 +1,199 @@
+"""The collector's side of weight synchronisation: the shared weight store (or one per worker
+when their policies differ), versions, per-worker acknowledgements, and turning what a user
+passes to ``update_weights`` into the tensors of each worker's policy."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Awaitable, Callable, Mapping
+
+import anyio
+
+from . import _shm
+from . import events as ev
+from ._errors import AiocollectError
+
+_KEEP = 1024  # publication times kept for the latency of WeightsApplied
+
+
+class WeightSync:
+    """Owned by a collector for one run of its workers (made anew by each launch)."""
+
+    def __init__(self, policy: Any, local: bool, emit: Callable[..., Awaitable[None]]) -> None:
+        self.policy = policy  # the constructor's reference policy (None: built by factories)
+        self.local = local  # local backend: stores in process memory
+        self._emit = emit
+        self.store: Any = None  # the store every worker reads (None: no weights, or distinct policies)
+        self.worker_stores: dict[int, Any] = {}  # per-worker stores, made on first need
+        self.layouts: list[Any] = []  # per worker (None: its policy has no weights)
+        self.workers: dict[int, Any] = {}
+        self.version = 0
+        self.acked: list[int] = []
+        self.published_at: dict[int, float] = {}
+        self.ack_event = anyio.Event()
+        self._fds: list[int] = []  # store fds not yet handed to the workers
+
+    def setup(self, layouts: list[Any], workers: list[Any]) -> Any:
+        """Workers' policy layouts known: make the shared store if they all have the same one,
+        and return it (``None`` otherwise)."""
+        self.layouts = list(layouts)
+        self.workers = {w.index: w for w in workers}
+        self.acked = [0] * len(workers)
+        first = self.layouts[0]
+        if first is not None and all(w == first for w in self.layouts):
+            self.store = self._new_store(first, "weights")
+        return self.store
+
+    @property
+    def can_pull(self) -> bool:
+        """``update_at_each_batch`` can publish the reference policy to all workers."""
+        return self.store is not None
+
+    def close_fds(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def close(self) -> None:
+        self.close_fds()
+        self.store = None  # unmapped once nothing refers to it
+        self.worker_stores.clear()
+        self.workers = {}
+        self.ack_event.set()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_model_ids(self, updates: Mapping[str, Any]) -> None:
+        ids = list(updates)
+        for a in ids:
+            if not isinstance(a, str) or not (a == "policy" or a.startswith("policy.")):
+                raise ValueError(
+                    f"model_id={a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
+                    f"'policy.<path>' (e.g. 'policy.actor')"
+                )
+            for b in ids:
+                if a != b and b.startswith(a + "."):
+                    raise ValueError(f"model ids {a!r} and {b!r} overlap: {b!r} is part of {a!r}; pass one of them")
+        if any(w is None for w in updates.values()) and self.policy is None:
+            raise ValueError(
+                "update_weights() needs weights: this collector was built with policy_factory, so it has no "
+                "policy of its own to take them from"
+            )
+
+    def targets(self, worker_ids: Any, n: int) -> list[int]:
+        if worker_ids is None:
+            ids = list(range(n))
+        else:
+            ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+            bad = [w for w in ids if not isinstance(w, int) or not 0 <= w < n]
+            if bad or not ids:
+                raise ValueError(f"worker_ids={worker_ids!r}: this collector has workers 0..{n - 1}")
+        no_weights = [w for w in ids if self.layouts[w] is None]
+        if no_weights:
+            raise AiocollectError(
+                f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
+                f"has no weights to update (random actions, or a policy that is not an nn.Module)"
+            )
+        return sorted(set(ids))
+
+    def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
+        """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
+        from ._weights import match_state, state_of
+
+        state: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for model_id, weights in updates.items():
+            try:
+                if weights is None:  # the constructor's policy: the model's part of it
+                    part = match_state(state_of(self.policy), layout, model_id, whole=True)
+                else:
+                    part = match_state(state_of(weights), layout, model_id)
+                both = [n for n in part if n in owner]
+                if both:  # two ids for one submodule, e.g. with and without a TensorDictModule's "module."
+                    raise ValueError(
+                        f"model ids {owner[both[0]]!r} and {model_id!r} overlap: both update {both[0]!r} of the "
+                        f"workers' policy; pass one of them"
+                    )
+            except (KeyError, ValueError) as exc:
+                if worker is None:
+                    raise
+                raise type(exc)(f"worker {worker}: {exc.args[0]}") from None
+            owner.update(dict.fromkeys(part, model_id))
+            state.update(part)
+        return state
+
+    # -- publishing -----------------------------------------------------------------------------
+    async def publish(self, updates: Mapping[str, Any], targets: list[int]) -> int:
+        """Write ``updates`` ({model id: weights or None}) as one new version for ``targets``;
+        nothing is written unless it fits every target's policy."""
+        shared = self.store is not None and len(targets) == len(self.layouts)
+        if shared:
+            writes = [(self.store, self._state_for(self.store.layout, updates, None))]
+        else:
+            writes, by_layout = [], {}
+            for w in targets:
+                layout = self.layouts[w]
+                key = id(layout) if self.store is None else 0  # one layout for all: match once
+                if key not in by_layout:
+                    by_layout[key] = self._state_for(layout, updates, None if self.store else w)
+                writes.append((w, by_layout[key]))
+        self.version += 1
+        version = self.version
+        self.published_at[version] = time.perf_counter()
+        for store, state in writes:
+            if not shared:
+                store = await self._worker_store(store)
+            store.publish(state, version)
+        for w in targets:
+            self.workers[w].nudge()
+        ids = tuple(updates)
+        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+        return version
+
+    async def _worker_store(self, index: int) -> Any:
+        store = self.worker_stores.get(index)
+        if store is None:
+            store = self._new_store(self.layouts[index], f"w{index}-weights")
+            try:
+                await self.workers[index].give_store(store)
+            finally:
+                self.close_fds()
+            self.worker_stores[index] = store
+        return store
+
+    def _new_store(self, layout: Any, name: str) -> Any:
+        from ._weights import WeightStore
+
+        if self.local:
+            store = WeightStore.create(layout, bytearray(layout.nbytes))
+            store.fd = None
+            return store
+        fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-{name}")
+        store = WeightStore.create(layout, mm)
+        store.fd = fd  # closed once the workers have it
+        self._fds.append(fd)
+        return store
+
+    # -- acknowledgements -----------------------------------------------------------------------
+    async def on_applied(self, worker: Any, version: int) -> None:
+        if version > self.acked[worker.index]:
+            self.acked[worker.index] = version
+        self.ack_event.set()
+        published = self.published_at.get(version)
+        oldest = min(self.acked)
+        while self.published_at and (next(iter(self.published_at)) <= oldest or len(self.published_at) > _KEEP):
+            del self.published_at[next(iter(self.published_at))]  # applied everywhere, or too old to matter
+        await self._emit(
+            ev.WeightsApplied, version=version, worker=worker.index,
+            latency=0.0 if published is None else time.perf_counter() - published,
+        )
+
+    async def wait_applied(self, version: int, targets: list[int], running: Callable[[], bool]) -> bool:
+        """Until every target acknowledged ``version``; ``False`` if the collector stopped first."""
+        while any(self.acked[w] < version for w in targets):
+            if not running():
+                return False
+            self.ack_event = event = anyio.Event()
+            with anyio.move_on_after(0.5):  # re-check the state now and then
+                await event.wait()
+        return True

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Compatibility check: aiocollect installed beside TorchRL 0.14.1, which wants tensordict<0.15
+# (the main .venv has tensordict 0.15). Creates or updates .venv-torchrl (torch first, so pip
+# never resolves an open-ended torch requirement by itself), then runs the TorchRL interop tests
+# and the tensordict-heavy test modules on tensordict 0.14.
+#   bash scripts/torchrl-compat.sh            set up if needed, then run the tests
+#   bash scripts/torchrl-compat.sh setup      set up only
+#   bash scripts/torchrl-compat.sh [pytest args]   run these instead of the default modules
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv-torchrl
+TORCH_VERSION=${AIOCOLLECT_TORCH_VERSION:-2.13.0}
+TORCHRL_VERSION=0.14.1
+TENSORDICT_RANGE=">=0.14,<0.15"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.aiocollect-installed"
+constraints="$VENV/constraints.txt"
+quiet_pip() {
+  # pip -q, less the machine's "Location ... is ignored" notes about its local indexes
+  "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+}
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/torchrl-compat.sh -nt "$stamp" ]; then
+  start=$SECONDS
+  # the same pins for every install step: the torch pin keeps pip from fetching a CUDA build
+  printf 'torch==%s\ntensordict%s\ntorchrl==%s\n' "$TORCH_VERSION" "$TENSORDICT_RANGE" "$TORCHRL_VERSION" >"$constraints"
+  echo "[setup] installing torch==$TORCH_VERSION first"
+  quiet_pip install -q "torch==$TORCH_VERSION"
+  echo "[setup] installing torchrl==$TORCHRL_VERSION, tensordict$TENSORDICT_RANGE and aiocollect with its test extras"
+  quiet_pip install -q -c "$constraints" \
+    "torchrl==$TORCHRL_VERSION" "tensordict$TENSORDICT_RANGE" -e ".[test]"
+  quiet_pip check
+  touch "$stamp"
+  echo "[setup] done in $((SECONDS - start)) s:" \
+    "$("$VENV/bin/python" -m pip freeze | grep -iE '^(torch|tensordict|torchrl)==' | tr '\n' ' ')"
+fi
+
+if [ "${1:-}" = setup ]; then
+  exit 0
+fi
+if [ $# -eq 0 ]; then
+  # the TorchRL interop tests, then aiocollect's own tensordict-heavy modules on tensordict 0.14
+  set -- tests/test_torchrl.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
+    tests/test_trajs.py -q -x -p no:cacheprovider
+fi
+echo "[test] $VENV/bin/python -m pytest $*"
+exec "$VENV/bin/python" -m pytest "$@"
