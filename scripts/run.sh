@@ -2,7 +2,9 @@
 # One entry point for a fresh clone: creates .venv if needed, installs torch first (so pip never
 # resolves an open-ended torch requirement by itself), then aiocollect, then runs what was asked.
 #   bash scripts/run.sh demo   [args]   collect from CartPole-v1 with worker processes
-#   bash scripts/run.sh test   [args]   the test suite (what CI runs)
+#   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, then the
+#                                       TorchRL 0.14 compatibility check (scripts/torchrl-compat.sh;
+#                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,13 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   demo)  exec "$VENV/bin/python" examples/demo.py "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest "$@" ;;
+  test)
+    if [ $# -gt 0 ] || [ "${AIOCOLLECT_SKIP_TORCHRL:-0}" = 1 ]; then
+      exec "$VENV/bin/python" -m pytest "$@"
+    fi
+    "$VENV/bin/python" -m pytest
+    echo "[test] the main suite passed; now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
+    exec bash scripts/torchrl-compat.sh ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test|bench} [args]" >&2; exit 2 ;;
 esac

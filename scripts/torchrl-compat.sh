@@ -5,6 +5,7 @@
 # and the tensordict-heavy test modules on tensordict 0.14.
 #   bash scripts/torchrl-compat.sh            set up if needed, then run the tests
 #   bash scripts/torchrl-compat.sh setup      set up only
+#   bash scripts/torchrl-compat.sh bench [args]   benchmarks/throughput.py here, TorchRL's collector included
 #   bash scripts/torchrl-compat.sh [pytest args]   run these instead of the default modules
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,10 @@ fi
 
 if [ "${1:-}" = setup ]; then
   exit 0
+fi
+if [ "${1:-}" = bench ]; then
+  shift
+  exec "$VENV/bin/python" benchmarks/throughput.py "$@"
 fi
 if [ $# -eq 0 ]; then
   # the TorchRL interop tests, then aiocollect's own tensordict-heavy modules on tensordict 0.14
