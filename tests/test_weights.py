@@ -415,3 +415,46 @@ def test_unknown_model_ids_are_answered_with_the_submodules_that_exist():
     with pytest.raises(ValueError, match=r"include \['policy.0', 'policy.2', 'policy.2.0'\]"):
         layout.select("policy.1")
     assert layout.select("policy.2.0") == ("2.0.", ("2.0.weight", "2.0.bias"))
+
+
+class Greedy(torch.nn.Module):
+    """CartPole: a body and a head, acting greedily (so actions can be recomputed exactly)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh())
+        self.head = torch.nn.Linear(hidden, 2)
+
+    def forward(self, obs):
+        return self.head(self.body(obs)).argmax(-1)
+
+
+def greedy16():
+    return Greedy(16)
+
+
+def greedy32():
+    return Greedy(32)
+
+
+async def test_distinct_policies_on_cartpole_act_with_the_weights_each_worker_was_sent():
+    """CartPole-v1, two workers whose policies differ in width: each gets its own weights, then a
+    new head for both of worker 1's models at once; every action in the batch is the one the
+    matching reference model takes on its observation."""
+    torch.manual_seed(0)
+    refs = [Greedy(16), Greedy(32)]
+    async with Collector("CartPole-v1", policy_factory=[greedy16, greedy32], frames_per_batch=64, num_workers=2,
+                         envs_per_worker=2, prefetch=0, seed=3) as c:
+        for w, ref in enumerate(refs):
+            await c.update_weights(ref, worker_ids=w)
+        new_head = torch.nn.Linear(32, 2)
+        refs[1].head.load_state_dict(new_head.state_dict())
+        await c.update_weights(weights_dict={"policy.head": new_head, "policy.body": refs[1].body}, worker_ids=[1])
+        assert c.worker_versions == (1, 3)
+        batch = await c.collect()
+    for w, ref in enumerate(refs):
+        rows = batch[2 * w: 2 * w + 2]
+        assert (rows["collector", "policy_version"] == (1, 3)[w]).all()
+        with torch.no_grad():
+            expected = ref(rows["observation"])
+        assert torch.equal(rows["action"], expected), f"worker {w} acted with other weights"
