@@ -717,6 +717,19 @@ class Collector(AsyncResource):
                 w.stop_nowait()
             raise
 
+    def _describe(self, worker: int | None) -> PolicySpec:
+        """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
+        c = self.config
+        factory = c.factory_for(worker or 0)
+        try:
+            return describe(c.policy, factory, c.exploration_type)
+        except Exception as exc:
+            what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
+            raise AiocollectError(
+                f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+                f"pass policy_factory=<a picklable function that builds it> instead"
+            ) from exc
+
     def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
         c = self.config
         counters = tuple(self._start_counters) if self._start_counters else None
@@ -778,22 +791,10 @@ class Collector(AsyncResource):
             self._workers = [local]
             specs = [local.rollout.spec()]
         else:
-            policy_specs = []
-            for i in range(c.workers):
-                factory = c.factory_for(i)
-                try:
-                    policy_specs.append(describe(c.policy, factory, c.exploration_type))
-                except Exception as exc:
-                    what = "the policy" if factory is None else (
-                        "policy_factory" if not isinstance(c.policy_factory, tuple) else f"policy_factory[{i}]"
-                    )
-                    raise AiocollectError(
-                        f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
-                        f"pass policy_factory=<a picklable function that builds it> instead"
-                    ) from exc
-                if factory is None or not isinstance(c.policy_factory, tuple):
-                    policy_specs *= c.workers  # one spec for every worker: pickled once
-                    break
+            per_worker = isinstance(c.policy_factory, tuple)
+            policy_specs = [self._describe(i if per_worker else None) for i in range(c.workers if per_worker else 1)]
+            if not per_worker:
+                policy_specs *= c.workers  # one spec for every worker: pickled once
             needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
             workers, specs = await start_process_workers(self._rollout_configs(policy_specs), needs, get_launcher())
             self._workers = list(workers)

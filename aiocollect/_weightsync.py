@@ -64,16 +64,14 @@ class WeightSync:
 
     # -- checks ---------------------------------------------------------------------------------
     def check_model_ids(self, updates: Mapping[str, Any]) -> None:
-        ids = list(updates)
-        for a in ids:
+        """What can be told before the workers' layouts are known (overlaps are found by the
+        tensors the ids name, in :meth:`_state_for`)."""
+        for a in updates:
             if not isinstance(a, str) or not (a == "policy" or a.startswith("policy.")):
                 raise ValueError(
                     f"model_id={a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
                     f"'policy.<path>' (e.g. 'policy.actor')"
                 )
-            for b in ids:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(f"model ids {a!r} and {b!r} overlap: {b!r} is part of {a!r}; pass one of them")
         if any(w is None for w in updates.values()) and self.policy is None:
             raise ValueError(
                 "update_weights() needs weights: this collector was built with policy_factory, so it has no "
@@ -109,7 +107,7 @@ class WeightSync:
                 else:
                     part = match_state(state_of(weights), layout, model_id)
                 both = [n for n in part if n in owner]
-                if both:  # two ids for one submodule, e.g. with and without a TensorDictModule's "module."
+                if both:  # nested ids, or two ids for one submodule (with and without a TensorDictModule's "module.")
                     raise ValueError(
                         f"model ids {owner[both[0]]!r} and {model_id!r} overlap: both update {both[0]!r} of the "
                         f"workers' policy; pass one of them"
@@ -133,10 +131,9 @@ class WeightSync:
             writes, by_layout = [], {}
             for w in targets:
                 layout = self.layouts[w]
-                key = id(layout) if self.store is None else 0  # one layout for all: match once
-                if key not in by_layout:
-                    by_layout[key] = self._state_for(layout, updates, None if self.store else w)
-                writes.append((w, by_layout[key]))
+                if layout not in by_layout:  # workers with the same policy layout: matched once
+                    by_layout[layout] = self._state_for(layout, updates, None if self.store else w)
+                writes.append((w, by_layout[layout]))
         self.version += 1
         version = self.version
         self.published_at[version] = time.perf_counter()
@@ -181,8 +178,11 @@ class WeightSync:
         self.ack_event.set()
         published = self.published_at.get(version)
         oldest = min(self.acked)
-        while self.published_at and (next(iter(self.published_at)) <= oldest or len(self.published_at) > _KEEP):
-            del self.published_at[next(iter(self.published_at))]  # applied everywhere, or too old to matter
+        while self.published_at:  # oldest first: drop those applied everywhere, or too old to matter
+            first = next(iter(self.published_at))
+            if first > oldest and len(self.published_at) <= _KEEP:
+                break
+            del self.published_at[first]
         await self._emit(
             ev.WeightsApplied, version=version, worker=worker.index,
             latency=0.0 if published is None else time.perf_counter() - published,

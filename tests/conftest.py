@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from procs import alive as _alive
 
 try:
     import uvloop
@@ -36,14 +37,6 @@ def _shm_in_use() -> list[str]:
         if "aiocollect" in target:
             found.append(f"fd {fd} -> {target}")
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,14 +28,7 @@ from aiocollect import (
 from aiocollect import _workers
 from aiocollect._launcher import get_launcher
 from aiocollect.testing import BadObservationEnv, CountingEnv, InjectedFailure
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+from procs import alive as _alive
 
 
 BACKENDS = pytest.mark.parametrize("num_workers", [0, 1], ids=["local", "process"])

@@ -40,6 +40,7 @@ from aiocollect._evaluator import (
 from aiocollect._launcher import get_launcher
 from aiocollect.events import Event, EvaluationCompleted, EvaluationFailed
 from aiocollect.testing import CountingEnv, InjectedFailure
+from procs import alive as _alive
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = (0.0, 0.0, 1.0, 1.0)  # push towards the side the pole falls to: balances for long
@@ -134,14 +135,6 @@ def assert_metrics(metrics: dict, returns: list[float], lengths: list[int]) -> N
     assert metrics["return_min"] == min(returns) and metrics["return_max"] == max(returns)
     assert metrics["episode_length_mean"] == pytest.approx(np.mean(lengths))
     assert metrics["num_trajectories"] == len(returns)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def slow(**kw):

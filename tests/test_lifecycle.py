@@ -25,20 +25,12 @@ from aiocollect import (
 )
 from aiocollect._launcher import get_launcher
 from aiocollect.testing import CountingEnv
+from procs import alive as _alive
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 OBS = "observation"
 NEXT_OBS = ("next", "observation")
 TRAJ = ("collector", "traj_ids")
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _aiocollect_mappings() -> list[str]:
