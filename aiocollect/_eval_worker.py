@@ -25,19 +25,16 @@ import dataclasses
 import os
 import socket
 import sys
-import time
 import traceback
 from typing import Any
 
 import numpy as np
 
-from . import _wire
 from ._errors import SpecError
 from ._layout import action_leaves, check_value, flattener, observation_leaves
 from ._rollout import add_envs, close_envs
-from ._worker import pack_exception
+from ._worker import Peer, _Stop, pack_exception
 
-_TICK = 0.02  # seconds between checks for a stop or abort request while running episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,52 +52,21 @@ class EvalWorkerConfig:
     nice: int = 0
 
 
-class _Stop(Exception):
-    """The parent closed its end of the socket: exit."""
-
-
 class _Abort(Exception):
     """The parent gave up on the evaluation in progress."""
 
 
-class EvalWorker:
+class EvalWorker(Peer):
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.envs: list[Any] = []
         self.current: int | None = None  # id of the evaluation in progress
-        self._next_tick = 0.0
 
-    # -- messages ---------------------------------------------------------------------------------
-    def send(self, msg: Any) -> None:
-        try:
-            _wire.send_blocking(self.sock, msg)
-        except OSError:  # the parent is gone
-            raise _Stop from None
-
-    def recv(self) -> Any:
-        try:
-            got = _wire.recv_blocking(self.sock)
-        except OSError:
-            got = None
-        if got is None:
-            raise _Stop
-        return got[0]
-
-    def tick(self) -> None:
-        """Between steps: honour a stop (end of file) or an abort of the evaluation in progress."""
-        now = time.monotonic()
-        if now < self._next_tick:
-            return
-        self._next_tick = now + _TICK
-        while True:
-            try:
-                if not _wire.message_waiting(self.sock):
-                    return
-            except EOFError:
-                raise _Stop from None
-            msg = self.recv()
-            if msg[0] == "abort" and msg[1] == self.current:
-                raise _Abort
+    def handle(self, msg: Any, fds: list[int]) -> None:
+        """A message between steps (see :meth:`Peer.tick`): only an abort of the evaluation in
+        progress matters there."""
+        if msg[0] == "abort" and msg[1] == self.current:
+            raise _Abort
 
     # -- set-up -----------------------------------------------------------------------------------
     def setup(self, cfg: EvalWorkerConfig) -> None:
@@ -250,11 +216,11 @@ class EvalWorker:
         import cloudpickle
 
         self.send(("hello", os.getpid()))
-        msg = self.recv()
+        msg = self.recv()[0]
         self.setup(cloudpickle.loads(msg[1]))
         self.send(("ready",))
         while True:
-            msg = self.recv()
+            msg = self.recv()[0]
             if msg[0] != "evaluate":
                 continue  # an abort that came after its evaluation finished
             _, rid, weights, n = msg

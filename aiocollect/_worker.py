@@ -19,11 +19,53 @@ from typing import Any
 
 from . import _wire
 
-_TICK = 0.02  # seconds between checks for a stop request while filling a batch
+_TICK = 0.02  # seconds between checks for messages (stop, abort, new weights) between steps
 
 
 class _Stop(Exception):
-    pass
+    """The collector's side is gone or closed this worker's socket: exit."""
+
+
+class Peer:
+    """A worker process's end of its socket to the collector (or evaluator): blocking sends and
+    receives, and a cheap between-steps check for messages that arrived meanwhile."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._next_tick = 0.0
+
+    def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            _wire.send_blocking(self.sock, msg, fds)
+        except OSError:  # the other side is gone
+            raise _Stop from None
+
+    def recv(self) -> tuple[Any, list[int]]:
+        try:
+            got = _wire.recv_blocking(self.sock)
+        except OSError:
+            got = None
+        if got is None:  # end of file: the other side's process is gone or closed us
+            raise _Stop
+        return got
+
+    def tick(self) -> None:
+        """Between steps, at most every ``_TICK`` seconds: hand each waiting message to
+        :meth:`handle`; a closed socket raises ``_Stop``."""
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + _TICK
+        while True:
+            try:
+                if not _wire.message_waiting(self.sock):
+                    return
+            except EOFError:
+                raise _Stop from None
+            self.handle(*self.recv())
+
+    def handle(self, msg: Any, fds: list[int]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
 
 
 def pack_exception(exc: BaseException) -> bytes:
@@ -37,29 +79,13 @@ def pack_exception(exc: BaseException) -> bytes:
         return cloudpickle.dumps(RuntimeError(f"{type(exc).__qualname__}: {exc}"))
 
 
-class Worker:
+class Worker(Peer):
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.credits = 0
         self.free: deque[int] = deque()
         self.rollout: Any = None
         self.recorder: Any = None
-        self._next_tick = 0.0
-
-    def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
-        try:
-            _wire.send_blocking(self.sock, msg, fds)
-        except OSError:  # the collector is gone
-            raise _Stop from None
-
-    def recv(self) -> tuple[Any, list[int]]:
-        try:
-            got = _wire.recv_blocking(self.sock)
-        except OSError:
-            got = None
-        if got is None:  # end of file: the collector's process is gone or closed us
-            raise _Stop
-        return got
 
     def apply_weights(self) -> None:
         version = self.rollout.apply_weights()
@@ -87,19 +113,6 @@ class Worker:
                 self.recorder.done = True
         else:  # pragma: no cover - protocol error
             raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if now < self._next_tick:
-            return
-        self._next_tick = now + _TICK
-        while True:
-            try:
-                if not _wire.message_waiting(self.sock):
-                    return
-            except EOFError:
-                raise _Stop from None
-            self.handle(*self.recv())
 
     def run(self) -> None:
         import cloudpickle
