@@ -85,17 +85,45 @@ class Meter:
         return Result(name, self.frames / elapsed, self.frames, elapsed, startup, cpu=cpu_usage(self.cpu0, self.cpu1))
 
 
-def percentiles_ms(samples: list[float]) -> dict[str, float]:
-    """p50/p99/max (and the sample count) of lag samples given in seconds."""
+def percentiles_ms(samples: list[float], pcts: tuple[int, ...] = (50, 99), mean: bool = False) -> dict[str, float]:
+    """The percentiles ``pcts``, max (and mean) of durations given in seconds, in ms, with the
+    sample count ``n``."""
     if not samples:
         return {"n": 0}
     arr = np.asarray(samples) * 1e3
+    out = {f"p{p}": float(np.percentile(arr, p)) for p in pcts}
+    out["max"] = float(arr.max())
+    if mean:
+        out["mean"] = float(arr.mean())
+    out["n"] = int(arr.size)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: core count, Python, torch, gymnasium, aiocollect (if
+    imported by now: the throughput benchmark times its import later), platform."""
+    import importlib
+    import platform
+
+    def version(name: str) -> str:
+        module = sys.modules.get(name)
+        return getattr(module, "__version__", "?") if module is not None else "not imported"
+
     return {
-        "p50": float(np.percentile(arr, 50)),
-        "p99": float(np.percentile(arr, 99)),
-        "max": float(arr.max()),
-        "n": int(arr.size),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": importlib.import_module("torch").__version__,
+        "gymnasium": importlib.import_module("gymnasium").__version__,
+        "aiocollect": version("aiocollect"),
+        "platform": platform.platform(),
     }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return (
+        f"machine: {m['cpu_count']} cores (os.cpu_count()), Python {m['python']}, torch {m['torch']}, "
+        f"gymnasium {m['gymnasium']}, aiocollect {m['aiocollect']}, {m['platform']}"
+    )
 
 
 def log(msg: str) -> None:

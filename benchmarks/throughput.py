@@ -59,7 +59,6 @@ import functools
 import json
 import multiprocessing as mp
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -85,6 +84,8 @@ from _util import (
     cpu_usage,
     descendants,
     log,
+    machine,
+    machine_line,
     percentiles_ms,
     reap,
     sigterm_as_interrupt,
@@ -317,11 +318,6 @@ def run_torchrl(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
 
 # --------------------------------------------------------------------------------------------------
 # 4. aiocollect
-
-
-def _aiocollect_version() -> str:
-    module = sys.modules.get("aiocollect")
-    return getattr(module, "__version__", "?") if module is not None else "not imported"
 
 
 def _import_aiocollect() -> tuple[Any, str]:
@@ -612,10 +608,7 @@ def main(args: argparse.Namespace) -> int:
         f"{args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, {args.seconds:g} s per setup "
         f"after {args.warmup:g} s warm-up"
     )
-    log(
-        f"machine: {os.cpu_count()} cores (os.cpu_count()), Python {platform.python_version()}, torch "
-        f"{torch.__version__}, gymnasium {gym.__version__}, aiocollect {_aiocollect_version()}, {platform.platform()}"
-    )
+    log(machine_line(machine()))
 
     limit_name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
     limit_title = f"limit: {args.workers} independent processes x {args.envs_per_worker} envs"
@@ -723,18 +716,14 @@ def main(args: argparse.Namespace) -> int:
             "benchmark": "throughput",
             "env": ENV_ID,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "gymnasium": gym.__version__,
-            "platform": platform.platform(),
+            **machine(),
             "args": {k: v for k, v in vars(args).items() if k != "ttfb_child"},
             "limit_fps": limit,
             "results": {
                 key: {**asdict(r), "ratio_to_limit": (r.fps / limit if r.fps and limit else None)}
                 for key, r in {"limit": limit_result, **results}.items()
             },
-            "aiocollect": aiocollect_missing or "measured",
+            "aiocollect_status": aiocollect_missing or "measured",
             "time_to_first_batch": ttfb,
             "leftover_processes": leftovers,
         }

@@ -82,15 +82,12 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import gymnasium as gym
-import numpy as np
 import torch
 from torch import nn
 
@@ -100,6 +97,9 @@ from _util import (
     become_subreaper,
     child_signals,
     log,
+    machine,
+    machine_line,
+    percentiles_ms,
     reap,
     sigterm_as_interrupt,
 )
@@ -198,16 +198,7 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Linear]:
 
 def stats_ms(samples: list[float]) -> dict[str, float]:
     """p50/p90/max/mean (and the count) of durations given in seconds, in ms."""
-    if not samples:
-        return {"n": 0}
-    arr = np.asarray(samples) * 1e3
-    return {
-        "p50": float(np.percentile(arr, 50)),
-        "p90": float(np.percentile(arr, 90)),
-        "max": float(arr.max()),
-        "mean": float(arr.mean()),
-        "n": int(arr.size),
-    }
+    return percentiles_ms(samples, (50, 90), mean=True)
 
 
 @dataclass
@@ -677,8 +668,7 @@ def main(args: argparse.Namespace) -> int:
     become_subreaper()  # so that the leftover checks also see orphans of our children
     torch.set_num_threads(1)
     try:
-        from aiocollect import Collector
-        import aiocollect
+        from aiocollect import Collector  # imported before machine(): its version in the output
     except Exception as exc:  # noqa: BLE001
         raise SystemExit(f"aiocollect does not import: {type(exc).__name__}: {exc}") from exc
 
@@ -692,10 +682,8 @@ def main(args: argparse.Namespace) -> int:
         f"aiocollect weight-sync benchmark: {ENV_ID}, {args.workers} workers x {args.envs_per_worker} envs, "
         f"{args.frames_per_batch} frames/batch"
     )
-    log(
-        f"machine: {os.cpu_count()} cores (os.cpu_count()), Python {platform.python_version()}, torch "
-        f"{torch.__version__}, gymnasium {gym.__version__}, aiocollect {aiocollect.__version__}, {platform.platform()}"
-    )
+    host = machine()
+    log(machine_line(host))
     models: dict[str, dict[str, Any]] = {}
     for spec in specs:
         m = build_model(spec)
@@ -815,12 +803,7 @@ def main(args: argparse.Namespace) -> int:
             "benchmark": "weight_sync",
             "env": ENV_ID,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "gymnasium": gym.__version__,
-            "aiocollect": aiocollect.__version__,
-            "platform": platform.platform(),
+            **host,
             "args": vars(args),
             "warmup_updates": WARMUP_UPDATES,
             "warmup_updates_collecting": WARMUP_UPDATES_COLLECTING,
