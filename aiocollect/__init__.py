@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Collector": "._collector",
     "CollectorConfig": "._config",
-    "State": "._collector",
+    "State": "._run",
+    "WorkerTimeoutError": "._errors",
     "AiocollectError": "._errors",
     "ConfigError": "._errors",
     "SpecError": "._errors",
@@ -27,7 +28,7 @@ _EXPORTS = {
     "EndOfCollection": "._errors",
     "split_trajectories": "._split",
     "shutdown_launcher": "._launcher",
-    "CollectorStats": "._collector",
+    "CollectorStats": "._stats",
     "SubscriptionOverflowError": "._bus",
     "Subscription": "._bus",
     "ProfileConfig": "._profiling",
@@ -50,8 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._collector import Collector as Collector
     from ._bus import Subscription as Subscription
     from ._bus import SubscriptionOverflowError as SubscriptionOverflowError
-    from ._collector import CollectorStats as CollectorStats
-    from ._collector import State as State
+    from ._run import State as State
+    from ._stats import CollectorStats as CollectorStats
     from ._config import CollectorConfig as CollectorConfig
     from ._errors import AiocollectError as AiocollectError
     from ._errors import BrokenWorkerError as BrokenWorkerError
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import EndOfCollection as EndOfCollection
     from ._errors import SpecError as SpecError
     from ._errors import WorkerError as WorkerError
+    from ._errors import WorkerTimeoutError as WorkerTimeoutError
     from ._launcher import shutdown_launcher as shutdown_launcher
     from ._evaluator import Evaluator as Evaluator
     from ._evaluator import EvaluatorBusyError as EvaluatorBusyError

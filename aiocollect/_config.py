@@ -42,6 +42,23 @@ def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
+def _positive_seconds(name: str, value: Any, alternative: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds, {alternative}")
+    return value
+
+
+def check_platform(what: str) -> None:
+    """aiocollect needs Linux: fork, memfd, pidfd and /proc."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(
+            f"{what} needs Linux (it relies on fork, memfd_create, pidfd and /proc), and this is "
+            f"{sys.platform!r}; run it on Linux (WSL2 and Docker on macOS are Linux)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectorConfig:
     """Every option of :class:`~aiocollect.Collector` (see its docstring for the whole story)."""
@@ -99,8 +116,24 @@ class CollectorConfig:
     traj_format: Literal["pad", "cat"] = "pad"
     """With ``trajs_per_batch``: ``"pad"`` gives ``[N, max_len]`` with ``("collector", "mask")``,
     ``"cat"`` the trajectories one after another, ``[sum of lengths]``."""
+    on_worker_failure: Literal["raise", "restart"] = "raise"
+    """What a worker's failure (an exception, its death, a hang past ``step_timeout``) does:
+    ``"raise"`` ends the collection with the error; ``"restart"`` replaces the worker and goes on
+    (at most ``max_restarts`` times within ``restart_window`` seconds)."""
+    max_restarts: int = 3
+    """With ``on_worker_failure="restart"``: replacements allowed within ``restart_window``; one
+    more failure raises."""
+    restart_window: float | None = 60.0
+    """Seconds over which ``max_restarts`` counts (``None``: the whole run)."""
+    step_timeout: float | None = None
+    """Seconds a worker may spend in one env ``step``/``reset`` or one policy call before it is
+    declared hung (:class:`WorkerTimeoutError`, or a restart). ``None``: never."""
+    profile: Any = None
+    """A :class:`ProfileConfig`: profile from the start (same as :meth:`Collector.enable_profile`)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.num_workers, int) and self.num_workers > 0:
+            check_platform("Collector(num_workers>=1)")
         fn = self.create_env_fn
         if isinstance(fn, str):
             check_env_id(fn)
@@ -189,6 +222,31 @@ class CollectorConfig:
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
         if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+
+        if self.on_worker_failure not in ("raise", "restart"):
+            raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")
+        _positive_int("max_restarts", self.max_restarts, allow_zero=True)
+        if self.restart_window is not None:
+            _positive_seconds("restart_window", self.restart_window, "or None to count over the whole run")
+        if self.step_timeout is not None:
+            _positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+            if self.num_workers == 0:
+                raise ConfigError(
+                    f"step_timeout={self.step_timeout!r} needs worker processes: with num_workers=0 the envs step "
+                    f"in the event loop's own thread, where a hung env cannot be watched or killed; use "
+                    f"num_workers>=1"
+                )
+        if self.profile is not None:
+            from ._profiling import ProfileConfig
+
+            if not isinstance(self.profile, ProfileConfig):
+                raise ConfigError(f"profile={self.profile!r} must be a ProfileConfig or None")
+            bad = [w for w in self.profile.workers if w >= self.workers]
+            if bad:
+                raise ConfigError(
+                    f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
+                    f"collector has {self.workers} (indices 0..{self.workers - 1})"
+                )
 
     def factory_for(self, worker: int) -> Callable[[], Any] | None:
         """The policy factory of ``worker`` (``None``: the workers copy ``policy``)."""

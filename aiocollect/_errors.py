@@ -11,6 +11,7 @@ __all__ = [
     "SpecError",
     "WorkerError",
     "BrokenWorkerError",
+    "WorkerTimeoutError",
     "CollectorClosedError",
     "EndOfCollection",
 ]
@@ -59,6 +60,22 @@ class WorkerError(AiocollectError):
 class BrokenWorkerError(WorkerError):
     """A worker process ended without reporting an error: killed from outside (SIGKILL, the
     OOM killer) or crashed in native code. Noticed as soon as its control pipe closes."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A worker spent longer than ``step_timeout`` seconds in one env ``step``/``reset`` or one
+    policy call: it is hung (a deadlocked simulator, a network-backed env that never answers).
+    It is killed; the message holds its Python stack at that moment.
+
+    Attributes:
+        env: global index of the env it was stepping or resetting (``None``: the policy).
+        doing: what it was doing, in words.
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, env: int | None = None, doing: str = "") -> None:
+        super().__init__(message, worker=worker)
+        self.env = env
+        self.doing = doing
 
 
 class CollectorClosedError(AiocollectError, RuntimeError):

@@ -28,7 +28,7 @@ from ._launcher import get_launcher
 from ._policy import PolicySpec, classify
 from ._systask import spawn_system_task
 from ._resource import AsyncResource, unwrap_group as _unwrap
-from ._workers import ProcessWorker, _add_note, worker_error
+from ._child import ChildProcess, add_note
 from .events import Event, EvaluationCompleted, EvaluationFailed
 
 __all__ = [
@@ -222,39 +222,20 @@ def _weights_payload(weights: Any) -> tuple[str, dict] | None:
     return kind, snapshot
 
 
-def _eval_error(pid: int | None, exc: BaseException | None, tb: str) -> BaseException:
-    return worker_error(None, pid, exc, tb, who=f"the evaluator's worker (pid {pid})")
+class _EvalProcess(ChildProcess):
+    """The evaluator's worker process, whose messages are read by one task (:meth:`read`) so
+    that its death is noticed at once, even between evaluations."""
 
-
-class _EvalProcess(ProcessWorker):
-    """The evaluator's worker process: a :class:`ProcessWorker` whose messages are read by one
-    task (:meth:`read`) so that its death is noticed at once, even between evaluations."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__(0, sock)
+    def __init__(self, sock: socket.socket, **_: Any) -> None:
+        super().__init__(
+            sock, index=None, who="the evaluator's worker", after_death="; the next evaluation starts a new worker"
+        )
         self.replies: deque[Any] = deque()
         self.wakeup: anyio.Event | None = None
         self.dead: BrokenWorkerError | None = None  # its socket reached end-of-file
         self.failed = False  # it reported a fatal error (and exits)
         self.scope: anyio.CancelScope | None = None
         self.reader_done: anyio.Event | None = None
-
-    def broken(self) -> BrokenWorkerError:
-        return BrokenWorkerError(
-            f"the evaluator's worker (pid {self.pid}) exited unexpectedly: its control socket closed "
-            f"without an error report. It was killed from outside (SIGKILL, the OOM killer) or crashed "
-            f"in native code; the next evaluation starts a new worker",
-            worker=None,
-        )
-
-    def error_from(self, msg: Any) -> BaseException:
-        import cloudpickle
-
-        try:
-            exc = cloudpickle.loads(msg[-2])
-        except Exception:  # the exception's class could not be loaded here
-            exc = None
-        return _eval_error(self.pid, exc, msg[-1])
 
     async def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -724,7 +705,7 @@ class Evaluator(AsyncResource):
         first, *rest = self._errors
         self._errors.clear()
         if rest:
-            _add_note(
+            add_note(
                 first,
                 f"{len(rest)} more background evaluation(s) failed after this one "
                 f"({', '.join(type(e).__name__ for e in rest)}); each was an EvaluationFailed event",
@@ -784,15 +765,9 @@ class Evaluator(AsyncResource):
         self._notify()
 
     async def _spawn(self, tg: Any) -> _EvalProcess:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = _EvalProcess(ours)
+        proc = _EvalProcess.spawn(get_launcher(), self._needs, _ENTRY)
         try:
-            try:
-                get_launcher().spawn(theirs.fileno(), self._needs, entry=_ENTRY)
-            finally:
-                theirs.close()
-            hello = await proc.expect("hello")
-            proc.set_pid(hello[1])
+            await proc.handshake()
             await proc.send(("config", self._worker_config))
             await proc.expect("ready")
             await tg.start(proc.read, self._worker_died)

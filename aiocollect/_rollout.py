@@ -15,6 +15,7 @@ import gymnasium as gym
 import numpy as np
 
 from ._errors import SpecError
+from ._heartbeat import POLICY, RESET, STEP
 from ._layout import Key, Leaf, action_leaves, check_value, flattener, observation_leaves
 from ._policy import PolicySpec, RandomRunner, build_runner
 
@@ -36,8 +37,8 @@ class RolloutConfig:
     random_steps: int = 0
     reset_at_each_iter: bool = False
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
-    start_batch: int = 0
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
+    restart: int = 0  # how many times this worker was replaced (seeds are derived from it)
 
 
 def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
@@ -76,6 +77,11 @@ def close_envs(envs: list[gym.Env]) -> None:
         except Exception:  # pragma: no cover - best effort at shutdown
             pass
     envs.clear()
+
+
+def derived_seed(seed: int, env: int, restart: int) -> int:
+    """The seed of global env ``env`` in the ``restart``-th replacement of its worker."""
+    return int(np.random.SeedSequence([seed & (2**63 - 1), env, restart]).generate_state(1, np.uint32)[0])
 
 
 @dataclasses.dataclass
@@ -135,7 +141,10 @@ class Rollout:
             torch.set_num_threads(1)
             torch.set_grad_enabled(False)
             if cfg.seed is not None:
-                torch.manual_seed(cfg.seed + cfg.total_envs + cfg.worker)
+                torch.manual_seed(
+                    derived_seed(cfg.seed, cfg.total_envs + cfg.worker, cfg.restart) if cfg.restart
+                    else cfg.seed + cfg.total_envs + cfg.worker
+                )
         self.random_runner = RandomRunner(self.action_spaces, self.act_leaves)
         self.runner = build_runner(
             cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, E, self.action_spaces, local_policy
@@ -143,6 +152,7 @@ class Rollout:
         self.extra_leaves = self.runner.probe(self.cur_obs)
         self.steps = 0
         self.batches = 0
+        self.heartbeat: Any = None  # a _heartbeat.Heartbeat when the collector watches for hangs
         model = getattr(self.runner, "model", None)
         if model is not None:
             from ._weights import WeightReader
@@ -162,6 +172,8 @@ class Rollout:
             return [None] * len(self.envs)
         if cfg.static_seed:
             return [cfg.seed] * len(self.envs)
+        if cfg.restart:  # a replacement worker: new episodes, still determined by the seed
+            return [derived_seed(cfg.seed, g, cfg.restart) for g in self.env_ids]
         return [cfg.seed + g for g in self.env_ids]
 
     def spec(self) -> dict[str, Any]:
@@ -206,8 +218,11 @@ class Rollout:
         """
         cfg = self.cfg
         envs, E = self.envs, len(self.envs)
+        hb = self.heartbeat
         if cfg.reset_at_each_iter and self.batches > 0:
             for i, env in enumerate(envs):
+                if hb is not None:
+                    hb.begin(RESET, self.env_ids[i])
                 obs, _ = env.reset()
                 self._new_traj(i)
                 self._set_obs(i, obs)
@@ -242,6 +257,8 @@ class Rollout:
             runner = self.random_runner if self.steps < cfg.random_steps else self.runner
             t_policy = clock()
             env_time += t_policy - t_env
+            if hb is not None:
+                hb.begin(POLICY)
             env_actions, act_arrays, extras = runner.act(obs_t)
             t_env = clock()
             policy_time += t_env - t_policy
@@ -259,6 +276,8 @@ class Rollout:
             terms = [False] * E
             truncs = [False] * E
             for i in range(E):
+                if hb is not None:
+                    hb.begin(STEP, self.env_ids[i])
                 obs, reward, terminated, truncated, _ = envs[i].step(env_actions[i])
                 if single:
                     if getattr(obs, "shape", None) != shape0:
@@ -285,12 +304,16 @@ class Rollout:
             for dst, src in zip(cur, next_bufs):
                 dst[...] = src[:, t]
             for i in resets:
+                if hb is not None:
+                    hb.begin(RESET, self.env_ids[i])
                 obs, _ = envs[i].reset()
                 self._new_traj(i)
                 self._set_obs(i, obs, into=cur)
             self.steps += 1
             yield
         env_time += clock() - t_env
+        if hb is not None:
+            hb.idle()
         self.timing = {"env": env_time, "policy": policy_time}
         rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
         term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T

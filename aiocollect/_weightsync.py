@@ -12,7 +12,7 @@ import anyio
 
 from . import _shm
 from . import events as ev
-from ._errors import AiocollectError
+from ._errors import AiocollectError, BrokenWorkerError
 
 _KEEP = 1024  # publication times kept for the latency of WeightsApplied
 
@@ -31,36 +31,41 @@ class WeightSync:
         self.version = 0
         self.acked: list[int] = []
         self.published_at: dict[int, float] = {}
-        self.ack_event = anyio.Event()
-        self._fds: list[int] = []  # store fds not yet handed to the workers
+        self._changed = anyio.Event()  # set (and replaced) at each acknowledgement
+        self._fds: list[int] = []  # the stores' memfds: kept for workers that replace failed ones
 
-    def setup(self, layouts: list[Any], workers: list[Any]) -> Any:
-        """Workers' policy layouts known: make the shared store if they all have the same one,
-        and return it (``None`` otherwise)."""
+    def setup(self, layouts: list[Any], workers: list[Any]) -> dict[int, tuple[int, ...]]:
+        """Workers' policy layouts known: make the shared store if they all have the same one.
+        Returns, per worker, the store fds it must map."""
         self.layouts = list(layouts)
         self.workers = {w.index: w for w in workers}
         self.acked = [0] * len(workers)
         first = self.layouts[0]
         if first is not None and all(w == first for w in self.layouts):
             self.store = self._new_store(first, "weights")
-        return self.store
+        if self.store is None or self.store.fd is None:
+            return {}
+        return {w.index: (self.store.fd,) for w in workers}
 
     @property
     def can_pull(self) -> bool:
         """``update_at_each_batch`` can publish the reference policy to all workers."""
         return self.store is not None
 
-    def close_fds(self) -> None:
+    def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-
-    def close(self) -> None:
-        self.close_fds()
         self.store = None  # unmapped once nothing refers to it
         self.worker_stores.clear()
         self.workers = {}
-        self.ack_event.set()
+        self.notify()
+
+    def bump(self) -> int:
+        """A new version that no worker will apply (the workers are done): returned so that
+        the caller's version numbers go on counting."""
+        self.version += 1
+        return self.version
 
     # -- checks ---------------------------------------------------------------------------------
     def check_model_ids(self, updates: Mapping[str, Any]) -> None:
@@ -142,7 +147,10 @@ class WeightSync:
                 store = await self._worker_store(store)
             store.publish(state, version)
         for w in targets:
-            self.workers[w].nudge()
+            try:
+                await self.workers[w].nudge()
+            except BrokenWorkerError:
+                pass  # it died: its replacement (if any) reads the newest version when it starts
         ids = tuple(updates)
         await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
         return version
@@ -151,11 +159,8 @@ class WeightSync:
         store = self.worker_stores.get(index)
         if store is None:
             store = self._new_store(self.layouts[index], f"w{index}-weights")
-            try:
-                await self.workers[index].give_store(store)
-            finally:
-                self.close_fds()
             self.worker_stores[index] = store
+            await self.workers[index].give_store(store)
         return store
 
     def _new_store(self, layout: Any, name: str) -> Any:
@@ -167,7 +172,7 @@ class WeightSync:
             return store
         fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-{name}")
         store = WeightStore.create(layout, mm)
-        store.fd = fd  # closed once the workers have it
+        store.fd = fd  # closed with the run
         self._fds.append(fd)
         return store
 
@@ -175,7 +180,7 @@ class WeightSync:
     async def on_applied(self, worker: Any, version: int) -> None:
         if version > self.acked[worker.index]:
             self.acked[worker.index] = version
-        self.ack_event.set()
+        self.notify()
         published = self.published_at.get(version)
         oldest = min(self.acked)
         while self.published_at:  # oldest first: drop those applied everywhere, or too old to matter
@@ -188,12 +193,16 @@ class WeightSync:
             latency=0.0 if published is None else time.perf_counter() - published,
         )
 
-    async def wait_applied(self, version: int, targets: list[int], running: Callable[[], bool]) -> bool:
-        """Until every target acknowledged ``version``; ``False`` if the collector stopped first."""
+    def notify(self) -> None:
+        """Wake every waiter of :meth:`wait_applied` (an acknowledgement, or the run changed)."""
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    async def wait_applied(self, version: int, targets: list[int], collecting: Callable[[], bool]) -> bool:
+        """Until every target acknowledged ``version``; ``False`` if the workers stopped
+        collecting first (``collecting()`` turned false)."""
         while any(self.acked[w] < version for w in targets):
-            if not running():
+            if not collecting():
                 return False
-            self.ack_event = event = anyio.Event()
-            with anyio.move_on_after(0.5):  # re-check the state now and then
-                await event.wait()
+            await self._changed.wait()  # every waiter waits on the same event: none is missed
         return True

@@ -3,7 +3,25 @@
 Started by the launcher (a fork of our clean template process) or as ``python -m
 aiocollect._worker FD``. It talks to the collector over one Unix socket: small messages only.
 It exits by itself when the collector's process dies (its socket reaches end-of-file, or the
-launcher it was forked from dies, which sends it SIGKILL).
+launcher it was forked from dies, which sends it SIGKILL). Protocol (``C`` collector, ``W``
+worker)::
+
+    W: ("hello", pid)
+    C: ("config", cloudpickle(RolloutConfig))
+    W: ("spec", {"obs": leaves, "act": leaves, "extras": leaves, "weights": layout or None})
+    C: ("layout", SlotLayout, weight layout or None, free slots, heartbeat?)  + fds: the slots'
+       memfd (and the weight store's); the heartbeat area follows the slots in the same memfd
+    C: ("credit", n)        collect n more batches     ("release", slot)  the slot is free again
+    C: ("weights",)         new weights are published: applied now if idle, else at the boundary
+    C: ("store", layout)    + fd: a weight store of this worker's own
+    C: ("profile", settings, path) / ("profile_off",)
+    W: ("ready", slot, n, info)   batch n is in slot     ("applied", version, time)
+    W: ("trace", path)            a profiler trace was written
+    W: ("error", packed exception, traceback): it then exits
+    C: end-of-file (shutdown(SHUT_WR)): close the envs and exit
+
+Messages from the collector are read between steps (every ``_TICK`` seconds at most) and while
+waiting; weights change only at batch boundaries.
 """
 
 from __future__ import annotations
@@ -17,7 +35,7 @@ import traceback
 from collections import deque
 from typing import Any
 
-from . import _wire
+from . import _heartbeat, _wire
 
 _TICK = 0.02  # seconds between checks for messages (stop, abort, new weights) between steps
 
@@ -86,6 +104,8 @@ class Worker(Peer):
         self.free: deque[int] = deque()
         self.rollout: Any = None
         self.recorder: Any = None
+        self.batches = 0  # batches this process collected
+        self.profiled_from = 0  # the batch a profile request arrived before
 
     def apply_weights(self) -> None:
         version = self.rollout.apply_weights()
@@ -97,7 +117,8 @@ class Worker(Peer):
         if op == "credit":
             self.credits += msg[1]
         elif op == "release":
-            self.free.append(msg[1])
+            if msg[1] not in self.free:  # (a replacement worker may hear of a slot twice)
+                self.free.append(msg[1])
         elif op == "stop":
             raise _Stop
         elif op == "weights":  # new weights: applied now if idle, else at the batch boundary
@@ -107,12 +128,40 @@ class Worker(Peer):
 
             self.rollout.add_store(map_store(fds[0], msg[1]))
             os.close(fds[0])
+        elif op == "profile":  # profile the next rollouts
+            from ._profiling import Recorder
+
+            if self.recorder is not None:
+                self.recorder.abort()
+            self.recorder = Recorder(msg[1], msg[2])
+            self.profiled_from = self.batches
         elif op == "profile_off":
             if self.recorder is not None:
                 self.recorder.abort()
-                self.recorder.done = True
+                self.recorder = None
         else:  # pragma: no cover - protocol error
             raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
+
+    def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int]) -> Any:
+        """Map the slots (and the heartbeat area after them); take the weight store."""
+        try:
+            mm = mmap.mmap(fds[0], layout.nbytes + _heartbeat.NBYTES)
+            if weight_layout is not None:
+                from ._weights import map_store
+
+                self.rollout.add_store(map_store(fds[1], weight_layout))
+            if watch:  # a step_timeout: keep a heartbeat, and dump the stack on SIGUSR1
+                import faulthandler
+                import signal
+
+                self.rollout.heartbeat = _heartbeat.Heartbeat(mm, layout.nbytes)
+                dump = os.dup(fds[0])
+                os.lseek(dump, layout.nbytes + _heartbeat.DUMP_OFFSET, os.SEEK_SET)
+                faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return mm
 
     def run(self) -> None:
         import cloudpickle
@@ -125,40 +174,31 @@ class Worker(Peer):
         self.rollout = rollout = Rollout(cfg)
         self.send(("spec", rollout.spec()))
         msg, fds = self.recv()
-        layout, weight_layout = msg[1], msg[2]
-        try:
-            mm = mmap.mmap(fds[0], layout.nbytes)
-            if weight_layout is not None:
-                from ._weights import map_store
-
-                rollout.add_store(map_store(fds[1], weight_layout))
-        finally:
-            for fd in fds:
-                os.close(fd)
+        _, layout, weight_layout, free, watch = msg
+        mm = self._map(layout, weight_layout, watch, fds)
         views = [layout.views(mm, s) for s in range(layout.num_slots)]
-        self.free.extend(range(layout.num_slots))
-        batch = cfg.start_batch
+        self.free.extend(free)
         if cfg.profile is not None:
             from ._profiling import Recorder
 
             self.recorder = Recorder(*cfg.profile)
-        n = 0
         while True:
+            self.apply_weights()  # a batch boundary: the only place weights change
             while not (self.credits > 0 and self.free):
                 self.handle(*self.recv())
-                self.apply_weights()
-            self.apply_weights()  # a batch boundary: the only place weights change
+                self.apply_weights()  # an idle worker takes new weights at once
             slot = self.free.popleft()
             self.credits -= 1
             recorder = self.recorder
+            n = self.batches - self.profiled_from
             if recorder is not None:
                 recorder.before(n)
             rollout.run_batch(views[slot], rollout.version, self.tick)
-            self.send(("ready", slot, batch, rollout.batch_info()))
+            self.send(("ready", slot, self.batches, rollout.batch_info()))
             if recorder is not None and (path := recorder.after(n)) is not None:
+                self.recorder = None
                 self.send(("trace", path))
-            batch += 1
-            n += 1
+            self.batches += 1
 
 
 def serve(fd: int) -> None:

@@ -1,55 +1,32 @@
-"""The collector's side of its workers: process workers (forked by the launcher, talked to over a
-socket, slots in shared memory) and the in-process local backend, behind one small interface.
+"""The collector's side of its rollout workers: process workers (forked by the launcher, talked to
+over a socket, slots in shared memory) and the in-process local backend, behind one interface.
 
-Readiness is awaited on file descriptors (``anyio.wait_readable``): no thread, no blocking call.
+A handle stands for one worker *seat* (an index) for the whole run: when a worker is replaced
+after a failure, the handle keeps its batches already completed, its slots and its counters, and
+only the process behind it changes (:meth:`WorkerHandle.replace`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import time
 import traceback
 from collections import deque
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import torch
 
-from . import _shm, _wire
-from ._errors import AiocollectError, BrokenWorkerError, WorkerError
+from . import _heartbeat, _shm
+from ._child import ChildProcess, started_pids, worker_error
+from ._errors import SpecError, WorkerTimeoutError
 from ._layout import Key, SlotLayout
 from ._rollout import Rollout, RolloutConfig
 
-#: pids of every worker process started by this process (tests check they are all gone).
-started_pids: list[int] = []
+_ENTRY = "aiocollect._worker:serve"
 
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-
-
-def worker_error(
-    worker: int | None, pid: int | None, exc: BaseException | None, tb: str, who: str | None = None
-) -> BaseException:
-    """The exception the consumer sees for ``exc`` raised in a worker: our own errors (a
-    :class:`SpecError` ...) as themselves with the worker traceback as a note, anything else
-    wrapped in :class:`WorkerError` with the original as ``__cause__``."""
-    if who is None:
-        who = "the local worker" if worker is None else f"worker {worker} (pid {pid})"
-    if isinstance(exc, AiocollectError):
-        _add_note(exc, f"raised in {who}; worker traceback:\n{tb}")
-        return exc
-    what = f"{type(exc).__name__}: {exc}" if exc is not None else "an error"
-    err = WorkerError(
-        f"{who} raised {what}\n\nWorker traceback (most recent call last):\n{tb.rstrip()}",
-        worker=worker,
-        worker_traceback=tb,
-    )
-    err.__cause__ = exc
-    return err
+OnReady = Callable[[Any], None]
+OnApplied = Callable[[Any, int], Awaitable[None]]
 
 
 class _Slots:
@@ -64,259 +41,282 @@ class _Slots:
 
 
 class WorkerHandle:
-    """What the producer sees of a worker."""
+    """What the producer sees of a worker seat.
+
+    ``ready`` holds ``(slot, info)`` for batches completed and not yet taken; ``held`` the slots
+    taken by the producer and not yet released; ``completed`` counts the batches the seat's
+    processes reported (credits of a replacement start from it).
+    """
 
     index: int
-    pid: int | None = None
     slots: _Slots
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.ready: deque[tuple[int, int, dict]] = deque()  # (slot, worker batch, info)
+        self.ready: deque[tuple[int, dict]] = deque()
+        self.held: set[int] = set()
         self.traces: list[str] = []  # profiler trace files written, not yet announced
         self.credits_sent = 0
-        self.alive = True
+        self.completed = 0
+        self.counters: list[int] | None = None  # trajectory numbers at the end of the last batch
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def take(self) -> tuple[int, dict]:
+        """The oldest completed batch: ``(slot, info)``; the slot is held until released."""
+        slot, info = self.ready.popleft()
+        self.held.add(slot)
+        return slot, info
+
+    def free_slots(self) -> list[int]:
+        """Slots a replacement may fill: neither waiting for delivery nor held."""
+        busy = self.held | {slot for slot, _ in self.ready}
+        return [s for s in range(self.slots.layout.num_slots) if s not in busy]
+
+    def _completed(self, slot: int, info: dict) -> None:
+        self.ready.append((slot, info))
+        self.completed += 1
+        self.counters = info["traj_counters"]
 
     async def grant(self, credits: int) -> None:
         raise NotImplementedError
+
+    async def release(self, slot: int) -> None:
+        raise NotImplementedError
+
+    async def nudge(self) -> None:
+        """New weights are published: an idle worker applies them now."""
+
+    def profile(self, settings: dict, path: str) -> None:
+        """Profile this worker's next rollouts."""
 
     def profile_off(self) -> None:
         """Drop a profiler recording in progress (no trace is written)."""
 
-    async def release(self, slot: int) -> None:
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        """Handle the worker's reports until it fails; return its error."""
+        raise NotImplementedError
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
+        raise NotImplementedError
+
+    async def stop(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def stop_nowait(self) -> None:
         raise NotImplementedError
 
 
 class ProcessWorker(WorkerHandle):
-    def __init__(self, index: int, sock: socket.socket) -> None:
+    """A worker process (replaced by a new one after a failure, under the same handle)."""
+
+    def __init__(self, index: int, launcher: Any, needs: tuple[str, ...]) -> None:
         super().__init__(index)
-        self.sock = sock
-        sock.setblocking(False)
-        self.reader = _wire.FrameReader()
-        self.inbox: deque[Any] = deque()
-        self.pidfd: int | None = None
+        self.launcher = launcher
+        self.needs = needs
+        self.proc: ChildProcess | None = None
+        self.spec: dict | None = None
+        self.fd: int | None = None  # the slots' memfd, kept for replacements
         self.mm: Any = None
-        self.eof = False
+        self.monitor: _heartbeat.HeartbeatMonitor | None = None
+        self.weight_layout: Any = None
+        self.store_fds: tuple[int, ...] = ()  # the weight stores' memfds (kept by WeightSync)
+        self.watch = False
+        self.hung: BaseException | None = None  # set by the watchdog before it kills the process
+        self.own_store: Any = None
 
-    # -- messages -------------------------------------------------------------------------------
-    async def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
-        """Send one message; a worker that died (its socket closed under us, perhaps before its
-        reader saw the end-of-file) raises :class:`BrokenWorkerError`, never a raw OSError."""
-        try:
-            await self._send(msg, fds)
-        except (BrokenPipeError, ConnectionResetError):
-            self.eof = True
-            raise self.broken() from None
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
-    async def _send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
-        data = memoryview(_wire.encode(msg))
-        if fds:
-            while True:
-                try:
-                    sent = socket.send_fds(self.sock, [data[:65536]], list(fds))
-                    break
-                except BlockingIOError:
-                    await anyio.wait_writable(self.sock)
-            data = data[sent:]
-        while data:
-            try:
-                data = data[self.sock.send(data):]
-            except BlockingIOError:
-                await anyio.wait_writable(self.sock)
-
-    def send_nowait(self, msg: Any) -> bool:
-        """Best effort, for shutdown: False when the message could not be sent at once."""
-        try:
-            data = _wire.encode(msg)
-            return self.sock.send(data) == len(data)
-        except OSError:
-            return False
-
-    async def recv(self) -> Any:
-        while not self.inbox:
-            await anyio.wait_readable(self.sock)
-            try:
-                data = self.sock.recv(1 << 16)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                self.eof = True
-                raise self.broken()
-            self.inbox.extend(self.reader.feed(data))
-        return self.inbox.popleft()
-
-    def broken(self) -> BrokenWorkerError:
-        return BrokenWorkerError(
-            f"worker {self.index} (pid {self.pid}) exited unexpectedly: its control socket closed "
-            f"without an error report. It was killed from outside (SIGKILL, the OOM killer) or "
-            f"crashed in native code; look at the process's stderr and `dmesg` for the cause",
-            worker=self.index,
+    # -- start-up -------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        self.proc = ChildProcess.spawn(
+            self.launcher, self.needs, _ENTRY, index=self.index, who=f"worker {self.index}"
         )
 
-    def error_from(self, msg: Any) -> BaseException:
+    async def configure(self, cfg: RolloutConfig) -> dict:
+        """Send the config to the (new) process; return the spec it reports."""
         import cloudpickle
 
-        try:
-            exc = cloudpickle.loads(msg[1])
-        except Exception:  # the exception's class could not be loaded here
-            exc = None
-        return worker_error(self.index, self.pid, exc, msg[2])
+        proc = self.proc
+        assert proc is not None
+        await proc.handshake()
+        await proc.send(("config", cloudpickle.dumps(cfg)))
+        return (await proc.expect("spec"))[1]
 
-    async def expect(self, op: str) -> Any:
-        msg = await self.recv()
-        if msg[0] == "error":
-            raise self.error_from(msg)
-        if msg[0] != op:  # pragma: no cover - protocol error
-            raise RuntimeError(f"worker {self.index}: expected {op!r}, got {msg[0]!r}")
-        return msg
+    def allocate(self, layout: SlotLayout) -> None:
+        self.fd, self.mm = _shm.allocate(layout.nbytes + _heartbeat.NBYTES, f"aiocollect-{os.getpid()}-w{self.index}")
+        self.slots = _Slots(layout, self.mm)
+        self.monitor = _heartbeat.HeartbeatMonitor(self.mm, layout.nbytes)
+
+    async def give_slots(self, free: list[int]) -> None:
+        assert self.proc is not None and self.fd is not None
+        await self.proc.send(
+            ("layout", self.slots.layout, self.weight_layout, free, self.watch), (self.fd, *self.store_fds)
+        )
 
     # -- producer interface ---------------------------------------------------------------------
     async def grant(self, credits: int) -> None:
+        if self.proc is None:
+            return  # being replaced: the replacement gets its credits when it is up
         self.credits_sent += credits
-        await self.send(("credit", credits))
+        await self.proc.send(("credit", credits))
 
     async def release(self, slot: int) -> None:
-        await self.send(("release", slot))
+        self.held.discard(slot)
+        if self.proc is not None:  # (else a replacement gets it with its free slots)
+            await self.proc.send(("release", slot))
 
-    def profile_off(self) -> None:
-        self.send_nowait(("profile_off",))
+    async def nudge(self) -> None:
+        if self.proc is not None:
+            await self.proc.send(("weights",))
 
     async def give_store(self, store: Any) -> None:
-        await self.send(("store", store.layout), (store.fd,))
+        """A weight store of this worker's own (kept for a replacement)."""
+        self.own_store = store
+        if self.proc is not None:
+            await self.proc.send(("store", store.layout), (store.fd,))
 
-    def nudge(self) -> None:
-        """New weights are published: an idle worker applies them now."""
-        self.send_nowait(("weights",))
+    def profile(self, settings: dict, path: str) -> None:
+        if self.proc is not None:
+            self.proc.send_nowait(("profile", settings, path))
 
-    async def serve(self, on_ready: Any, on_error: Any, on_applied: Any) -> None:
-        """Read the worker's messages until it fails (reported with ``on_error``, after every
-        batch it completed before) or the task is cancelled."""
+    def profile_off(self) -> None:
+        if self.proc is not None:
+            self.proc.send_nowait(("profile_off",))
+
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        proc = self.proc
+        assert proc is not None
         while True:
             try:
-                msg = await self.recv()
-            except BrokenWorkerError as exc:
-                on_error(exc)
-                return
-            if msg[0] == "ready":
-                self.ready.append((msg[1], msg[2], msg[3]))
+                msg = await proc.recv()
+            except Exception as exc:  # noqa: BLE001 - its end-of-file (BrokenWorkerError)
+                return self.hung or exc
+            op = msg[0]
+            if op == "ready":
+                self._completed(msg[1], msg[3])
                 on_ready(self)
-            elif msg[0] == "trace":
+            elif op == "applied":
+                await on_applied(self, msg[1])
+            elif op == "trace":
                 self.traces.append(msg[1])
                 on_ready(None)
-            elif msg[0] == "applied":
-                await on_applied(self, msg[1])
-            elif msg[0] == "error":
-                on_error(self.error_from(msg))
-                return
+            elif op == "error":
+                return self.hung or proc.error_from(msg)
 
-    # -- lifecycle -------------------------------------------------------------------------------
-    def set_pid(self, pid: int) -> None:
-        self.pid = pid
-        started_pids.append(pid)
+    # -- hangs ----------------------------------------------------------------------------------
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        if self.proc is None or self.monitor is None or self.hung is not None:
+            return None
+        return self.monitor.stuck(timeout)
+
+    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
+        """The worker has been in one call for ``seconds``: take its stack, kill it; its
+        :meth:`serve` then returns a :class:`WorkerTimeoutError`."""
+        proc, monitor = self.proc, self.monitor
+        assert proc is not None and monitor is not None
+        import signal
+
+        proc.signal(signal.SIGUSR1)  # faulthandler in the worker dumps every thread's stack
+        stack = ""
+        with anyio.move_on_after(1.0):
+            while True:  # until the dump stops growing
+                await anyio.sleep(0.05)
+                now = monitor.stack_dump()
+                if now and now == stack:
+                    break
+                stack = now
+        doing = _heartbeat.describe(what, env)
+        self.hung = WorkerTimeoutError(
+            f"{proc.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout="
+            f"{timeout:g}). It was killed. Its stack when it was declared hung:\n{stack or '(not available)'}"
+            f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
+            f"on_worker_failure='restart' to replace hung workers and go on",
+            worker=self.index,
+            env=env if what != _heartbeat.POLICY else None,
+            doing=doing,
+        )
+        proc.kill()
+
+    # -- replacement and shutdown ---------------------------------------------------------------
+    async def replace(self, cfg: RolloutConfig) -> None:
+        old, self.proc = self.proc, None
+        if old is not None:
+            with anyio.CancelScope(shield=True):
+                await old.stop(0)  # killed now: it must never write into the slots again
+        self.hung = None
+        self.restarts += 1
+        self.spawn()
         try:
-            self.pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # pragma: no cover - no pidfd (old kernel, not Linux)
-            self.pidfd = None
-
-    def exited(self) -> bool:
-        if self.pid is None:
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # pragma: no cover
-            return False
-        # a zombie of the launcher's is gone for our purpose; it is reaped at once
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except OSError:
-            return True
-
-    async def wait_exit(self, timeout: float) -> bool:
-        with anyio.move_on_after(timeout):
-            if self.pidfd is not None:
-                await anyio.wait_readable(self.pidfd)
-                return True
-            while not self.exited():  # pragma: no cover - no pidfd
-                await anyio.sleep(0.01)
-            return True
-        return self.exited()
-
-    def kill(self) -> None:
-        if self.pid is None:
-            return
-        try:
-            if self.pidfd is not None:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            else:  # pragma: no cover
-                os.kill(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, OSError):
-            pass
-
-    def close_fds(self) -> None:
-        self.sock.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
-        self.slots = None  # type: ignore[assignment]
-        self.mm = None  # unmapped once the views are gone
+            spec = await self.configure(cfg)
+            if spec != self.spec:
+                raise SpecError(
+                    f"the replacement of worker {self.index} reports batch leaves {spec}, but the worker "
+                    f"it replaces reported {self.spec}: its env or policy changed"
+                )
+            assert self.monitor is not None
+            self.monitor.reset()
+            self.credits_sent = self.completed
+            await self.give_slots(self.free_slots())
+            if self.own_store is not None:
+                await self.give_store(self.own_store)
+        except BaseException:
+            proc, self.proc = self.proc, None
+            if proc is not None:
+                with anyio.CancelScope(shield=True):
+                    await proc.stop(0)
+            raise
 
     async def stop(self, timeout: float) -> None:
         """Ask the worker to close its envs and exit; kill it after ``timeout`` seconds."""
-        if self.pid is not None:
-            # end-of-file is the stop request: unlike a message, it cannot land inside a message
-            # whose sending was interrupted (cancelled) half-way
-            try:
-                self.sock.shutdown(socket.SHUT_WR)
-                asked = True
-            except OSError:
-                asked = False
-            if self.eof or not asked or not await self.wait_exit(timeout):
-                self.kill()
-                if not await self.wait_exit(5.0):  # pragma: no cover - unkillable (D state)
-                    raise RuntimeError(f"worker {self.index} (pid {self.pid}) did not exit after SIGKILL")
-        self.close_fds()
+        proc, self.proc = self.proc, None
+        try:
+            if proc is not None:
+                await proc.stop(timeout)
+        finally:
+            self._free()
 
     def stop_nowait(self) -> None:
-        """Synchronous last resort (the event loop is going away): kill and wait briefly."""
-        self.kill()
-        deadline = time.monotonic() + 2.0
-        while not self.exited() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        self.close_fds()
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.stop_nowait()
+        self._free()
+
+    def _free(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.monitor is not None:
+            self.monitor.release()
+            self.monitor = None
+        self.slots = None  # type: ignore[assignment]
+        self.mm = None  # unmapped once the views are gone
 
 
 async def start_process_workers(
     configs: list[RolloutConfig], needs: tuple[str, ...], launcher: Any
 ) -> tuple[list[ProcessWorker], list[dict]]:
     """Fork a worker per config, send each its config, return the workers and their specs."""
-    import cloudpickle
-
     workers: list[ProcessWorker] = []
     try:
-        for i, cfg in enumerate(configs):
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                workers.append(ProcessWorker(i, ours))
-                launcher.spawn(theirs.fileno(), needs)
-            finally:
-                theirs.close()
-        specs: list[dict] = [{}] * len(workers)
+        for i in range(len(configs)):
+            w = ProcessWorker(i, launcher, needs)
+            workers.append(w)
+            w.spawn()
 
         async def handshake(w: ProcessWorker, cfg: RolloutConfig) -> None:
-            hello = await w.expect("hello")
-            w.set_pid(hello[1])
-            await w.send(("config", cloudpickle.dumps(cfg)))
-            specs[w.index] = (await w.expect("spec"))[1]
+            w.spec = await w.configure(cfg)
 
         async with anyio.create_task_group() as tg:
             for w, cfg in zip(workers, configs):
                 tg.start_soon(handshake, w, cfg)
-        return workers, specs
+        return workers, [w.spec for w in workers]  # type: ignore[misc]
     except BaseException:
         with anyio.CancelScope(shield=True):
             for w in workers:
@@ -324,17 +324,17 @@ async def start_process_workers(
         raise
 
 
-async def setup_process_slots(workers: list[ProcessWorker], layout: SlotLayout, store: Any = None) -> None:
+async def setup_process_slots(
+    workers: list[ProcessWorker], layout: SlotLayout, store_fds: dict[int, tuple[int, ...]], weight_layout: Any,
+    watch: bool,
+) -> None:
     """Give each worker its slots (and the shared weight store, if the policy has weights)."""
     for w in workers:
-        fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-w{w.index}")
-        fds = (fd,) if store is None else (fd, store.fd)
-        try:
-            await w.send(("layout", layout, None if store is None else store.layout), fds)
-        finally:
-            os.close(fd)
-        w.mm = mm
-        w.slots = _Slots(layout, mm)
+        w.allocate(layout)
+        w.weight_layout = weight_layout
+        w.store_fds = store_fds.get(w.index, ())
+        w.watch = watch
+        await w.give_slots(list(range(layout.num_slots)))
 
 
 class LocalWorker(WorkerHandle):
@@ -344,12 +344,17 @@ class LocalWorker(WorkerHandle):
     def __init__(self, cfg: RolloutConfig, policy: Any) -> None:
         super().__init__(0)
         self.cfg = cfg
+        self.policy = policy
         self.credits = 0
         self.free: deque[int] = deque()
         self.wakeup = anyio.Event()
         self.recorder: Any = None
+        self.stores: list[Any] = []
+        self.rollout = self._build(cfg)
+
+    def _build(self, cfg: RolloutConfig) -> Rollout:
         try:
-            self.rollout = Rollout(cfg, local_policy=policy)
+            return Rollout(cfg, local_policy=self.policy)
         except BaseException as exc:
             err = _local_error(exc)
             raise err
@@ -362,10 +367,18 @@ class LocalWorker(WorkerHandle):
     def _wake(self) -> None:
         self.wakeup.set()
 
+    def profile(self, settings: dict, path: str) -> None:
+        from ._profiling import Recorder
+
+        if self.recorder is not None:
+            self.recorder.abort()
+        self.recorder = Recorder(settings, path)
+        self.profiled_from = self.rollout.batches
+
     def profile_off(self) -> None:
         if self.recorder is not None:
             self.recorder.abort()
-            self.recorder.done = True
+            self.recorder = None
 
     async def grant(self, credits: int) -> None:
         self.credits_sent += credits
@@ -373,37 +386,37 @@ class LocalWorker(WorkerHandle):
         self._wake()
 
     async def release(self, slot: int) -> None:
-        self.free.append(slot)
+        self.held.discard(slot)
+        if slot not in self.free:
+            self.free.append(slot)
         self._wake()
 
-    def nudge(self) -> None:
+    async def nudge(self) -> None:
         self._wake()
 
     async def give_store(self, store: Any) -> None:
+        self.stores.append(store)
         self.rollout.add_store(store)
 
-    async def _apply_weights(self, on_applied: Any) -> None:
+    async def _apply_weights(self, on_applied: OnApplied) -> None:
         version = self.rollout.apply_weights()
         if version is not None:
             await on_applied(self, version)
 
-    async def serve(self, on_ready: Any, on_error: Any, on_applied: Any) -> None:
-        batch = self.cfg.start_batch
-        if self.cfg.profile is not None:
-            from ._profiling import Recorder
-
-            self.recorder = Recorder(*self.cfg.profile)
-        n = 0
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        if self.cfg.profile is not None and self.rollout.batches == 0:
+            self.profile(*self.cfg.profile)
         while True:
+            await self._apply_weights(on_applied)  # a batch boundary: the only place weights change
             while not (self.credits > 0 and self.free):
                 self.wakeup = anyio.Event()
                 await self._apply_weights(on_applied)
                 await self.wakeup.wait()
-            await self._apply_weights(on_applied)  # a batch boundary: the only place weights change
             slot = self.free.popleft()
             self.credits -= 1
             rollout = self.rollout
             recorder = self.recorder
+            n = rollout.batches - self.profiled_from
             if recorder is not None:
                 recorder.before(n)
             deadline = time.perf_counter() + 0.004
@@ -413,14 +426,24 @@ class LocalWorker(WorkerHandle):
                         await anyio.sleep(0)
                         deadline = time.perf_counter() + 0.004
             except Exception as exc:
-                on_error(_local_error(exc))
-                return
-            self.ready.append((slot, batch, rollout.batch_info()))
-            batch += 1
+                self.free.appendleft(slot)
+                return _local_error(exc)
+            self._completed(slot, rollout.batch_info())
             on_ready(self)
             if recorder is not None and (path := recorder.after(n)) is not None:
+                self.recorder = None
                 self.traces.append(path)
-            n += 1
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        self.rollout.close()
+        self.restarts += 1
+        self.cfg = cfg
+        self.rollout = self._build(cfg)
+        for store in self.stores:
+            self.rollout.add_store(store)
+        self.credits = 0
+        self.credits_sent = self.completed
+        self.free = deque(self.free_slots())
 
     async def stop(self, timeout: float) -> None:
         self.stop_nowait()
@@ -428,7 +451,10 @@ class LocalWorker(WorkerHandle):
     def stop_nowait(self) -> None:
         if self.recorder is not None:
             self.recorder.abort()
+            self.recorder = None
         self.rollout.close()
+
+    profiled_from = 0
 
 
 def _local_error(exc: BaseException) -> BaseException:

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from aiocollect import AiocollectError, Collector, ReplayBuffer
+from aiocollect import AiocollectError, Collector, ConfigError, ReplayBuffer
 from aiocollect.testing import CountingEnv
 
 
@@ -79,5 +79,5 @@ async def test_sink_errors_surface_at_aclose_and_collect_is_refused():
             await anyio.sleep(0.01)
     with pytest.raises(OSError, match="disk full"):
         await c.aclose()
-    with pytest.raises(TypeError, match="no extend"):
+    with pytest.raises(ConfigError, match="no extend"):
         await Collector("CartPole-v1", frames_per_batch=16, num_workers=0).start(replay_buffer=object())

@@ -563,10 +563,10 @@ async def test_sending_to_a_dead_worker_raises_broken_worker_error_not_os_error(
     makes the next send raise BrokenWorkerError naming it, never a raw BrokenPipeError."""
     import socket
 
-    from aiocollect._workers import ProcessWorker
+    from aiocollect._child import ChildProcess
 
     ours, theirs = socket.socketpair()
-    w = ProcessWorker(3, ours)
+    w = ChildProcess(ours, index=3, who="worker 3")
     theirs.close()
     try:
         with pytest.raises(BrokenWorkerError, match="worker 3"):

@@ -62,8 +62,55 @@ async def test_profile_errors_as_in_torchrl(tmp_path):
         ProfileConfig(activities=("gpu",))
     async with c:
         await c.collect()
-        with pytest.raises(AiocollectError, match="before iteration starts"):
-            c.enable_profile()
+        with pytest.raises(ConfigError, match="names workers \\[3\\]"):
+            c.enable_profile(workers=[3])
+    with pytest.raises(AiocollectError, match="closed"):
+        c.enable_profile()
+    with pytest.raises(ConfigError, match="names workers \\[1\\]"):
+        Collector("CartPole-v1", frames_per_batch=8, num_workers=1, profile=ProfileConfig(workers=[1]))
+
+
+def _trace_ok(path: str) -> bool:
+    with open(path) as f:
+        return bool(json.load(f)["traceEvents"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["local", "process"])
+@pytest.mark.parametrize("when", ["inside_async_with", "after_some_batches", "from_another_task", "constructor"])
+async def test_enable_profile_where_users_write_it_profiles_the_next_rollouts(tmp_path, num_workers, when):
+    """enable_profile() right after entering `async with`, between batches, or from another task
+    (or profile= in the constructor) profiles the next rollouts: each chosen worker and the
+    collector's process write a trace once num_rollouts more batches are collected, the run goes
+    on to its natural end, and the data stay continuous."""
+    config = ProfileConfig(workers=[0], num_rollouts=2, warmup_rollouts=1, save_path=str(tmp_path / "t_{worker_idx}.json"))
+    c = Collector("CartPole-v1", ArgmaxMLP(), frames_per_batch=32, total_frames=32 * 8, num_workers=num_workers,
+                  envs_per_worker=2, profile=config if when == "constructor" else None)
+    seen: list[ProfileTraceReady] = []
+    c.on(ProfileTraceReady, seen.append)
+    batches = 0
+    with anyio.fail_after(60):
+        async with c:
+            if when == "inside_async_with":
+                c.enable_profile(config)
+            async with anyio.create_task_group() as tg:
+                if when == "from_another_task":
+                    tg.start_soon(lambda: anyio.to_thread.run_sync(lambda: None))  # a task switch first
+                    tg.start_soon(lambda: _enable_soon(c, config))
+                async for batch in c:
+                    batches += 1
+                    if when == "after_some_batches" and batches == 3:
+                        c.enable_profile(config)
+                    obs, nxt, done = batch["observation"], batch["next", "observation"], batch["next", "done"][..., 0]
+                    assert bool(((nxt[:, :-1] == obs[:, 1:]).all(-1) | done[:, :-1]).all())
+    assert batches == 8
+    expected = {None} | ({0} if num_workers else set())
+    assert {e.worker for e in seen} == expected, seen
+    assert all(_trace_ok(e.path) for e in seen)
+
+
+async def _enable_soon(c: Collector, config: ProfileConfig) -> None:
+    await anyio.sleep(0)
+    c.enable_profile(config)
 
 
 async def test_disable_profile_before_start_records_nothing(tmp_path):

@@ -1,0 +1,215 @@
+"""The producer: turns the workers' completed slots into delivered batches.
+
+Each round it grants the workers the credits they may collect with (``prefetch`` ahead of the
+consumers' requests), waits for the parts of a batch (every worker's next slot in ``sync``
+delivery, the first one ready in ``async``), assembles them (one copy out of shared memory),
+gives the slots back, runs the hooks and post-processing, and sends the batch into the bounded
+stream that ``collect()`` / ``async for`` read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import anyio
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from . import events as ev
+from ._errors import BrokenWorkerError
+from ._layout import Key, SlotLayout
+from ._split import split_trajectories
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._run import Run
+    from ._workers import WorkerHandle
+
+_ENDLESS = 1 << 62
+_THREAD_COPY_BYTES = 8 << 20  # larger batches are copied out of shared memory in a thread
+
+
+def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+    return out
+
+
+def frames_in(batch: TensorDictBase) -> int:
+    mask = batch.get(("collector", "mask"), None)
+    return int(mask.sum()) if mask is not None else batch.numel()
+
+
+class Producer:
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self.arrivals: deque[WorkerHandle] = deque()  # async delivery: workers with a batch, in order
+        self.wakeup = anyio.Event()
+        self.drained = anyio.Event()  # background collection: every batch is in the replay buffer
+        self.rounds = 0  # worker batches collected (what total_frames counts)
+        self.produced = 0  # batches sent into the stream (what demand counts)
+
+    def wake(self, worker: "WorkerHandle | None" = None) -> None:
+        if worker is not None:
+            self.arrivals.append(worker)
+        self.wakeup.set()
+
+    # -- credits and waiting --------------------------------------------------------------------
+    async def _pump(self, remaining: int) -> None:
+        """Grant workers the credits they may collect with now."""
+        run, c = self.run, self.run.config
+        if c.delivery == "sync":
+            target = min(remaining, run.requested + c.prefetch)
+            if c.update_at_each_batch and run.sync.can_pull and any(w.credits_sent < target for w in run.workers):
+                # pulled right before the workers may start the next batch(es)
+                await run.sync.publish({"policy": None}, list(range(c.workers)))
+        else:
+            target = remaining
+        for w in run.workers:
+            if w.credits_sent < target:
+                try:
+                    await w.grant(target - w.credits_sent)
+                except BrokenWorkerError:
+                    pass  # it died under us: its own task reports it
+
+    def _deliverable(self) -> bool:
+        if self.run.config.delivery == "sync":
+            return all(w.ready for w in self.run.workers)
+        return bool(self.arrivals)
+
+    async def _raise_failure(self) -> None:
+        raise self.run.pending_error  # type: ignore[misc]
+
+    async def _wait(self, cond: Callable[[], bool], remaining: int) -> None:
+        run = self.run
+        while True:
+            if run.pending_error is None:
+                await self._pump(remaining)
+            await run.announce_traces()
+            self.wakeup = anyio.Event()
+            if cond():
+                return
+            if run.pending_error is not None and not self._deliverable():
+                await self._raise_failure()
+            await self.wakeup.wait()
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def produce(self) -> None:
+        run = self.run
+        c = run.config
+        total = c.total_batches
+        remaining = _ENDLESS if total is None else total - run.batches
+        workers = run.workers
+        sync = c.delivery == "sync"
+        trajs = None
+        if c.trajs_per_batch is not None:
+            from ._trajs import TrajectoryAccumulator
+
+            remaining = _ENDLESS if total is None else total - run.collected // c.frames_per_batch
+            trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
+        first_index = run.batches
+        while self.rounds < remaining:
+            if run.pending_error is not None and not self._deliverable():
+                await self._raise_failure()
+            index = first_index + self.produced
+            if c.update_at_each_batch and run.sync.can_pull and not sync:
+                await run.sync.publish({"policy": None}, list(range(c.workers)))
+            recorder = run.recorder
+            if recorder is not None:
+                recorder.before(self.rounds - run.recorder_from)
+            await run.emit(ev.BeforeRollout, index=index)
+            t_wait = time.perf_counter()
+            await self._wait(lambda: run.requested + c.prefetch > self.produced, remaining)
+            if sync:
+                await self._wait(lambda: all(w.ready for w in workers), remaining)
+                parts = [(w, w.take()) for w in workers]
+            else:
+                await self._wait(lambda: bool(self.arrivals), remaining)
+                w = self.arrivals.popleft()
+                parts = [(w, w.take())]
+            t_assemble = time.perf_counter()
+            batch = await self._assemble([(w, slot) for w, (slot, _) in parts])
+            for w, (slot, _) in parts:
+                try:
+                    await w.release(slot)
+                except BrokenWorkerError:
+                    pass  # it died under us: its own task reports it
+            if sync:
+                self.arrivals.clear()
+            self.rounds += 1
+            run.collected += c.frames_per_batch
+            if self.rounds >= remaining:
+                run.finished = True  # the workers will collect no more: nobody waits for them
+                run.sync.notify()
+            infos = [(w.index, info) for w, (_, info) in parts]
+            if trajs is not None:
+                envs = [w.index * c.envs_per_worker + e for w, _ in parts for e in range(c.envs_per_worker)]
+                outputs = trajs.add(batch, envs)
+            else:
+                outputs = [split_trajectories(batch) if c.split_trajs else batch]
+            timing = run.stats.batch(infos, wait=t_assemble - t_wait, delivery=time.perf_counter() - t_assemble)
+            if run.bus.listens_to(ev.EpisodeEnded):
+                for worker, info in infos:
+                    for env, traj_id, ret, length, terminated in info["episodes"]:
+                        await run.bus.emit(ev.EpisodeEnded(
+                            worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
+                            terminated=terminated, policy_version=info.get("version", 0),
+                        ))
+            for n, batch in enumerate(outputs):
+                await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing)
+            if recorder is not None and (path := recorder.after(self.rounds - 1 - run.recorder_from)) is not None:
+                run.recorder = None
+                await run.trace_ready(None, path)
+            await run.announce_traces()
+        run.send.close()  # consumers drain what is buffered, then get EndOfCollection
+        if run.sink is not None:
+            await self.drained.wait()  # every batch is in the replay buffer
+        run.stop.set()  # total_frames reached: release the workers now
+
+    async def _deliver(self, batch: TensorDictBase, index: int, counted: list, infos: list, timing: dict) -> None:
+        """Hooks, post-processing, pause, then into the stream (``counted``: the infos whose
+        counters go with this delivery: a round's go with its first)."""
+        run, c = self.run, self.run.config
+        self.produced += 1
+        await run.emit(ev.AfterRollout, index=index, batch=batch)
+        if c.postproc is not None:
+            batch = c.postproc(batch)
+            if inspect.isawaitable(batch):
+                batch = await batch
+        while run.paused:  # collector.pause(): hold the batch (workers stop by backpressure)
+            await run.resume.wait()
+        frames = c.frames_per_batch if c.trajs_per_batch is None else frames_in(batch)
+        await run.emit(
+            ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
+            policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
+        )
+        await run.send.send((batch, counted, frames))
+
+    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> TensorDict:
+        layout: SlotLayout = self.run.layout  # type: ignore[assignment]
+        views = [w.slots.views[slot] for w, slot in parts]
+
+        def copy() -> TensorDict:
+            flat: dict[Key, torch.Tensor] = {}
+            for leaf in layout.leaves:
+                tensors = [v[leaf.key] for v in views]
+                flat[leaf.key] = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
+            E = layout.num_envs * len(views)
+            T = layout.frames_per_env
+            flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
+            for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
+                flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
+            return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
+
+        if layout.slot_nbytes * len(views) > _THREAD_COPY_BYTES:
+            return await anyio.to_thread.run_sync(copy)
+        return copy()
+
+
+__all__ = ["Producer", "frames_in"]

@@ -1,0 +1,644 @@
+"""A collector's run: everything that lives while its workers do.
+
+:class:`Run` owns the run state (the worker pool, credits, the batch stream, the pending error,
+weights, profiling, counters) and the tasks that drive it: one per worker seat (reading its
+reports, replacing it after a failure), the producer (:mod:`aiocollect._producer`), the
+watchdog for hung workers and the drain into a replay buffer. Those tasks reference the run,
+never the user's :class:`~aiocollect.Collector`: a collector that its user forgets can be
+garbage-collected, and its finalizer then stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import enum
+import inspect
+import sys
+import time
+from collections import deque
+from typing import Any, AsyncIterator, Mapping
+
+import anyio
+from tensordict import TensorDict
+
+from . import events as ev
+from ._bus import EventBus
+from ._config import CollectorConfig
+from ._errors import (
+    AiocollectError,
+    BrokenWorkerError,
+    CollectorClosedError,
+    ConfigError,
+    EndOfCollection,
+    SpecError,
+    WorkerError,
+)
+from ._launcher import get_launcher
+from ._layout import SlotLayout, frame_leaves
+from ._policy import PolicySpec, describe
+from ._producer import Producer
+from ._profiling import ProfileConfig, Recorder
+from ._resource import unwrap_group
+from ._rollout import RolloutConfig
+from ._stats import Stats
+from ._systask import spawn_system_task
+from ._weightsync import WeightSync
+from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+
+
+class State(enum.Enum):
+    """Lifecycle of a :class:`~aiocollect.Collector`."""
+
+    CREATED = "created"
+    """Constructed; no worker yet."""
+    STARTING = "starting"
+    """Workers are being started."""
+    RUNNING = "running"
+    """Collecting."""
+    STOPPED = "stopped"
+    """Workers are gone (``total_frames`` reached, or a failure); batches already collected can
+    still be received."""
+    CLOSED = "closed"
+    """Closed: every process and shared-memory segment is released. Cannot be reopened."""
+
+
+def loop_token() -> Any:
+    """The event loop running the current task (an asyncio loop, or trio's token)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
+
+
+class Run:
+    """The state and tasks of one collector (see the module docstring)."""
+
+    def __init__(self, config: CollectorConfig) -> None:
+        c = self.config = config
+        self.bus = EventBus()
+        self.stats = Stats()
+        self.state = State.CREATED
+        # counters of what the consumers received (state_dict, progress)
+        self.frames = 0
+        self.batches = 0
+        self.episodes = 0
+        self.counters: list[int] | None = None
+        self.start_counters: list[int] | None = None
+        self.collected = 0  # frames collected by the workers (total_frames counts these)
+        self.seed: int | None = c.seed
+        self.static_seed = False
+        self.profile: ProfileConfig | None = c.profile
+        self.recorder: Recorder | None = None
+        self.recorder_from = 0
+        self.sync = WeightSync(c.policy, c.num_workers == 0, self.emit)
+        # the run
+        self.closing = False
+        self.ended = False  # the consumer saw the end of the stream
+        self.finished = False  # every batch was collected (the workers will collect no more)
+        self.loop_gone = False  # the event loop that ran it ended under it
+        self.launch_failed = False
+        self.error: BaseException | None = None
+        self.error_seen = False
+        self.pending_error: BaseException | None = None  # a worker failed: raised after its batches
+        self.requested = 0
+        self.workers: list[WorkerHandle] = []
+        self.workers_ready = False
+        self.configs: list[RolloutConfig] = []
+        self.layout: SlotLayout | None = None
+        self.bar: Any = None
+        self.sink: Any = None
+        self.paused = 0
+        self.resume = anyio.Event()
+        self.resume.set()
+        self.writing: anyio.Event | None = None  # set when a write into the sink ends
+        self.restart_times: deque[float] = deque()
+        self.task: Any = None
+        self.loop: Any = None
+        self.producer: Producer | None = None
+
+    # -- events ---------------------------------------------------------------------------------
+    async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
+        """Build and emit an event, only if someone listens (events cost nothing otherwise)."""
+        if self.bus.listens_to(event_type):
+            await self.bus.emit(event_type(**fields))
+
+    def wake(self, worker: WorkerHandle | None = None) -> None:
+        if self.producer is not None:
+            self.producer.wake(worker)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def check_loop(self) -> None:
+        """A collector belongs to the event loop that started it."""
+        if self.loop is None or self.loop is loop_token():
+            return
+        if self.loop_gone:
+            raise CollectorClosedError(
+                "this collector was started in another event loop, which has ended (each asyncio.run() "
+                "makes a new loop and cancels what ran in the old one): its workers are gone. A collector "
+                "belongs to the loop that started it; create a new Collector in this loop"
+            )
+        raise AiocollectError(
+            "this collector was started in another event loop: a collector belongs to the loop that "
+            "started it (its workers report to that loop's tasks). Use it from that loop, or create one "
+            "Collector per loop"
+        )
+
+    async def start(self, sink: Any = None) -> None:
+        if self.state is State.CLOSED:
+            raise CollectorClosedError("this collector is closed and cannot be reopened; create a new Collector")
+        self.check_loop()
+        if sink is not None:
+            if self.state is not State.CREATED:
+                raise AiocollectError("start(replay_buffer=...) must be the first start of the collector")
+            if not callable(getattr(sink, "extend", None)):
+                raise ConfigError(f"replay_buffer={sink!r} has no extend(batch) method; pass a ReplayBuffer or a TorchRL buffer")
+            self.sink = sink
+        if self.state is State.CREATED:
+            self.state = State.STARTING
+            self.loop = loop_token()
+            size = max(self.config.prefetch, 1)
+            self.send, self.recv = anyio.create_memory_object_stream[tuple[TensorDict, list, int]](size)
+            self.started = anyio.Event()
+            self.done = anyio.Event()
+            self.stop = anyio.Event()
+            self.producer = Producer(self)
+            self.task = spawn_system_task(self._run)
+        await self.started.wait()
+        if self.state is State.STOPPED and self.launch_failed:
+            # nothing was started that could be used: the collector is closed, its error raised once
+            with anyio.CancelScope(shield=True):
+                await self.done.wait()
+            self.recv.close()
+            self.state = State.CLOSED
+            if not self.error_seen and self.error is not None:
+                self.error_seen = True
+                raise self.error
+
+    async def aclose(self) -> None:
+        if self.state is State.CLOSED:
+            return
+        if self.state is State.CREATED:
+            self.state = State.CLOSED
+            return
+        if self.loop_gone and self.done.is_set():  # its loop ended (and stopped the workers)
+            self.recv.close()
+            self.state = State.CLOSED
+            return
+        self.check_loop()
+        self.closing = True
+        with anyio.CancelScope(shield=True):
+            self.stop.set()
+            await self.done.wait()
+        self.recv.close()
+        self.state = State.CLOSED
+        if self.error is not None and not self.error_seen:
+            self.error_seen = True
+            raise self.error
+
+    def abandon(self) -> None:
+        """The collector was garbage-collected while running: stop the run from wherever we are
+        (a finalizer, in any thread). Its own task stops the workers; if its loop is gone, they
+        are killed now."""
+        if self.task is None or self.done.is_set():
+            return
+        self.closing = True
+        loop = self.loop
+        try:
+            if isinstance(loop, asyncio.AbstractEventLoop):
+                if loop.is_closed() or not loop.is_running():
+                    raise RuntimeError("the loop is gone")
+                if loop_token() is loop:
+                    self.stop.set()
+                else:
+                    loop.call_soon_threadsafe(self.stop.set)
+            else:  # trio
+                loop.run_sync_soon(self.stop.set)
+        except Exception:  # noqa: BLE001 - no loop to stop it in: kill the workers now
+            self.kill_now()
+
+    def kill_now(self) -> None:
+        for w in self.workers:
+            try:
+                w.stop_nowait()
+            except Exception:  # noqa: BLE001 - best effort: the process is going away
+                pass
+
+    # -- consuming ------------------------------------------------------------------------------
+    async def collect(self, *, drain: bool = False) -> TensorDict:
+        if self.state is State.CLOSED:
+            raise CollectorClosedError("this collector is closed; create a new Collector")
+        self.check_loop()
+        if self.ended:
+            self.raise_end()
+        self.requested += 1
+        self.wake()
+        try:
+            batch, parts, frames = await self.recv.receive()
+        except anyio.EndOfStream:
+            if not drain:  # (the drain into a replay buffer is what the runner itself waits for)
+                await self.done.wait()  # the workers are gone before the end is reported
+            if self.closing or self.state is State.CLOSED:
+                if self.error is None:
+                    raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+            elif not drain:
+                # the end was seen: nothing is left to release (a consumer that never calls
+                # aclose(), as in `async for b in Collector(...)`, leaves nothing open)
+                self.ended = True
+                self.recv.close()
+            self.raise_end()
+        except anyio.ClosedResourceError:
+            raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+        self.delivered(parts, frames)
+        return batch
+
+    def raise_end(self) -> None:
+        if self.error is not None:
+            self.error_seen = True
+            raise self.error from self.error.__cause__
+        if self.loop_gone:
+            self.check_loop()
+        raise EndOfCollection(f"all {self.config.total_frames} frames (total_frames) have been collected")
+
+    def delivered(self, parts: list[tuple[int, dict]], frames: int) -> None:
+        """Account for a batch the consumer received (counters, state_dict, progress)."""
+        c = self.config
+        if self.counters is None:
+            self.counters = list(self.start_counters or [0] * c.total_envs)
+        for index, info in parts:
+            base = index * c.envs_per_worker
+            self.counters[base : base + c.envs_per_worker] = info["traj_counters"]
+            self.episodes += len(info["episodes"])
+        self.frames += frames
+        self.batches += 1
+        if self.bar is not None:
+            self.bar.update_to(self.frames, self.stats.mean_return)
+
+    @contextlib.asynccontextmanager
+    async def pause(self) -> AsyncIterator[None]:
+        self.paused += 1
+        if self.paused == 1:
+            self.resume = anyio.Event()
+        try:
+            if self.writing is not None:
+                await self.writing.wait()  # a write in progress finishes first
+            yield
+        finally:
+            self.paused -= 1
+            if self.paused == 0:
+                self.resume.set()
+                self.wake()
+
+    async def _drain_into_sink(self) -> None:
+        """Background collection: every batch goes into the replay buffer."""
+        sink = self.sink
+        while True:
+            try:
+                batch = await self.collect(drain=True)
+            except Exception:  # noqa: BLE001 - the end, or the run's stored error (aclose raises it)
+                self.producer.drained.set()  # type: ignore[union-attr]
+                return
+            while self.paused:
+                await self.resume.wait()
+            self.writing = anyio.Event()
+            try:
+                result = sink.extend(batch)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                self.writing.set()
+                self.writing = None
+
+    # -- weights --------------------------------------------------------------------------------
+    async def update_weights(self, updates: Mapping[str, Any], worker_ids: Any, wait: bool) -> int:
+        sync = self.sync
+        sync.check_model_ids(updates)
+        if self.state is State.CREATED:
+            await self.start()
+        self.check_loop()
+        if self.state is State.CLOSED or self.closing:
+            raise CollectorClosedError(f"update_weights() on a collector that is {self.state.value}; create a new Collector")
+        if self.state is State.STOPPED:
+            if self.error is not None:
+                raise CollectorClosedError(
+                    f"update_weights(): the collector stopped because a worker failed ({type(self.error).__name__}); "
+                    f"no worker is left to update"
+                ) from self.error
+            # total_frames reached: nothing will collect again, so nothing is waited for
+            sync.targets(worker_ids, self.config.workers)
+            return sync.bump()
+        targets = sync.targets(worker_ids, self.config.workers)
+        version = await sync.publish(updates, targets)
+        if wait and not await sync.wait_applied(version, targets, self.collecting):
+            if self.error is not None:
+                raise self.error
+            if self.state is State.RUNNING or self.finished:
+                return version  # total_frames reached meanwhile: the rest will not collect again
+            raise CollectorClosedError(f"the collector was closed before the workers applied version {version}")
+        return version
+
+    def collecting(self) -> bool:
+        """The workers may still collect frames (so an update is worth waiting for)."""
+        return self.state is State.RUNNING and not self.finished and not self.closing
+
+    # -- profiling ------------------------------------------------------------------------------
+    def enable_profile(self, config: ProfileConfig) -> None:
+        bad = [w for w in config.workers if w >= self.config.workers]
+        if bad:
+            raise ConfigError(
+                f"ProfileConfig.workers={list(config.workers)} names workers {bad}, but this collector has "
+                f"{self.config.workers} (indices 0..{self.config.workers - 1})"
+            )
+        if self.state in (State.STOPPED, State.CLOSED):
+            raise CollectorClosedError(f"enable_profile() on a collector that is {self.state.value}")
+        self.disable_profile()
+        self.profile = config
+        if self.workers_ready:
+            self._start_profile()
+
+    def _start_profile(self) -> None:
+        """Profile the next rollouts of the chosen workers (and of the collector's process)."""
+        p = self.profile
+        if p is None:
+            return
+        local = self.config.num_workers == 0
+        for w in self.workers:
+            if w.index in p.workers and not (local and p.profile_collector):
+                w.profile(p.for_worker(), p.path_for(w.index))
+        if p.profile_collector:
+            self.recorder = Recorder(p.for_worker(), p.path_for("collector"))
+            self.recorder_from = self.producer.rounds if self.producer is not None else 0
+
+    def disable_profile(self) -> None:
+        self.profile = None
+        if self.recorder is not None:
+            self.recorder.abort()
+            self.recorder = None
+        for w in self.workers:
+            w.profile_off()
+
+    async def trace_ready(self, worker: int | None, path: str) -> None:
+        event = ev.ProfileTraceReady(worker=worker, path=path)
+        p = self.profile
+        if p is not None and p.on_trace_ready is not None:
+            result = p.on_trace_ready(event)
+            if inspect.isawaitable(result):
+                await result
+        await self.bus.emit(event)
+
+    async def announce_traces(self) -> None:
+        for w in self.workers:
+            while w.traces:
+                await self.trace_ready(w.index, w.traces.pop(0))
+
+    # -- the run's own task ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        cancelled = anyio.get_cancelled_exc_class()
+        try:
+            try:
+                async with anyio.create_task_group() as tg:
+                    t_launch = time.perf_counter()
+                    await self._launch()
+                    self.stats.start()
+                    for w in self.workers:
+                        await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
+                    await self.emit(
+                        ev.CollectorStarted,
+                        num_workers=self.config.num_workers,
+                        envs_per_worker=self.config.envs_per_worker,
+                        pids=tuple(w.pid for w in self.workers if w.pid is not None),
+                        startup_seconds=time.perf_counter() - t_launch,
+                    )
+                    self.state = State.RUNNING
+                    self.started.set()
+                    for w in self.workers:
+                        tg.start_soon(self._supervise, w)
+                    tg.start_soon(self.producer.produce)  # type: ignore[union-attr]
+                    if self.sink is not None:
+                        tg.start_soon(self._drain_into_sink)
+                    if self.config.step_timeout is not None:
+                        tg.start_soon(self._watchdog, self.config.step_timeout)
+                    await self.stop.wait()
+                    tg.cancel_scope.cancel()
+            except cancelled:
+                if not self.closing:  # the loop is shutting down under us (asyncio.run's end)
+                    self.loop_gone = True
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to the consumer
+                self.error = unwrap_group(exc)
+                self.launch_failed = not self.started.is_set()
+            finally:
+                await self._stop_workers()
+            reason = "error" if self.error is not None else ("closed" if self.closing else "total_frames")
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.emit(ev.CollectorStopped, reason=reason, frames=self.frames,
+                                    batches=self.batches, error=self.error)
+                except Exception as exc:  # noqa: BLE001 - a handler's error still surfaces
+                    if self.error is None:
+                        self.error = exc
+        finally:
+            if self.recorder is not None:
+                self.recorder.abort()
+                self.recorder = None
+            self.bus.close()
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            self.send.close()
+            if self.state is not State.CLOSED:
+                self.state = State.STOPPED
+            self.sync.notify()
+            self.started.set()
+            self.done.set()
+
+    async def _stop_workers(self) -> None:
+        workers = self.workers
+        self.workers_ready = False
+        try:
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for w in workers:
+                        tg.start_soon(w.stop, self.config.shutdown_timeout)
+        except BaseException:
+            for w in workers:  # the event loop is going away: no more awaiting
+                w.stop_nowait()
+            raise
+        finally:
+            self.sync.close()
+
+    async def _launch(self) -> None:
+        c = self.config
+        if c.num_workers == 0:
+            factory = c.factory_for(0)
+            if c.policy is None and factory is None:
+                spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
+            else:
+                # a replica, as in a worker: the caller's module may change under training (the
+                # local rollout yields to the loop mid-batch), weights change only by update_weights
+                policy = copy.deepcopy(c.policy) if c.policy is not None else factory()  # type: ignore[misc]
+                spec = PolicySpec("local", exploration_type=c.exploration_type)
+            self.configs = self._rollout_configs([spec])
+            local = LocalWorker(self.configs[0], policy)
+            self.workers = [local]
+            specs = [local.rollout.spec()]
+        else:
+            per_worker = isinstance(c.policy_factory, tuple)
+            policy_specs = [self._describe(i if per_worker else None) for i in range(c.workers if per_worker else 1)]
+            if not per_worker:
+                policy_specs *= c.workers  # one spec for every worker: pickled once
+            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
+            self.configs = self._rollout_configs(policy_specs)
+            workers, specs = await start_process_workers(self.configs, needs, get_launcher())
+            self.workers = list(workers)
+        batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
+        for i, s in enumerate(batch_specs[1:], 1):
+            if s != batch_specs[0]:
+                raise SpecError(
+                    f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
+                    f"must have the same spaces and every worker's policy the same outputs"
+                )
+        leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
+        self.layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
+        store_fds = self.sync.setup([s.get("weights") for s in specs], self.workers)
+        if c.num_workers == 0:
+            self.workers[0].setup(self.layout)  # type: ignore[attr-defined]
+            if self.sync.store is not None:
+                await self.workers[0].give_store(self.sync.store)
+        else:
+            weight_layout = None if self.sync.store is None else self.sync.store.layout
+            await setup_process_slots(
+                self.workers, self.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
+            )
+        self.workers_ready = True
+        self._start_profile()
+        if c.progress:
+            from ._progress import make_bar
+
+            self.bar = make_bar(c.total_frames, self.frames)
+
+    def _describe(self, worker: int | None) -> PolicySpec:
+        """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
+        c = self.config
+        factory = c.factory_for(worker or 0)
+        try:
+            return describe(c.policy, factory, c.exploration_type)
+        except Exception as exc:
+            what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
+            raise AiocollectError(
+                f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+                f"pass policy_factory=<a picklable function that builds it> instead"
+            ) from exc
+
+    def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+        c = self.config
+        counters = tuple(self.start_counters) if self.start_counters else None
+        return [
+            RolloutConfig(
+                env_fn=c.create_env_fn,
+                env_kwargs=dict(c.create_env_kwargs or {}),
+                policy=policy_specs[i],
+                worker=i,
+                envs_per_worker=c.envs_per_worker,
+                total_envs=c.total_envs,
+                frames_per_env=c.frames_per_env,
+                seed=self.seed,
+                static_seed=self.static_seed,
+                max_frames_per_traj=c.max_frames_per_traj,
+                random_steps=max(c.random_steps - self.frames // c.total_envs, 0),
+                reset_at_each_iter=c.reset_at_each_iter,
+                traj_counters=counters,
+            )
+            for i in range(c.workers)
+        ]
+
+    # -- failures: report, or replace the worker --------------------------------------------------
+    async def _supervise(self, w: WorkerHandle) -> None:
+        """Handle worker ``w``'s reports; when it fails, replace it (``on_worker_failure=
+        "restart"``, within the restart budget) or report the failure to the consumer."""
+        while True:
+            error = await w.serve(self.wake, self.sync.on_applied)
+            while True:
+                old_pid = w.pid
+                index = getattr(error, "worker", w.index)
+                await self.emit(ev.WorkerFailed, worker=-1 if index is None else index, pid=old_pid, error=error)
+                if not self._may_restart(error):
+                    self.worker_failed(error)
+                    return
+                try:
+                    await w.replace(self._replacement_config(w))
+                except Exception as exc:  # noqa: BLE001 - the replacement failed too: counted the same
+                    error = exc
+                    continue
+                break
+            self.stats.restarts += 1
+            await self.emit(ev.WorkerRestarted, worker=w.index, pid=w.pid, old_pid=old_pid)
+            self.wake()
+
+    def _may_restart(self, error: BaseException) -> bool:
+        c = self.config
+        if c.on_worker_failure != "restart" or self.closing or self.finished:
+            return False
+        now = time.monotonic()
+        times = self.restart_times
+        if c.restart_window is not None:
+            while times and now - times[0] > c.restart_window:
+                times.popleft()
+        if len(times) >= c.max_restarts:
+            window = "" if c.restart_window is None else f" within restart_window={c.restart_window:g} s"
+            from ._child import add_note
+
+            add_note(
+                error,
+                f"aiocollect gave up replacing failed workers: max_restarts={c.max_restarts} restarts{window} "
+                f"were used. Fix the cause, or raise max_restarts",
+            )
+            return False
+        times.append(now)
+        return True
+
+    def _replacement_config(self, w: WorkerHandle) -> RolloutConfig:
+        """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories
+        its failure cut end there), the random steps it still owes, derived seeds."""
+        c = self.config
+        cfg = self.configs[w.index]
+        counters = list(cfg.traj_counters or [0] * c.total_envs)
+        base = w.index * c.envs_per_worker
+        last = w.counters if w.counters is not None else counters[base : base + c.envs_per_worker]
+        counters[base : base + c.envs_per_worker] = [k + 1 for k in last]
+        cfg = dataclasses.replace(
+            cfg,
+            traj_counters=tuple(counters),
+            random_steps=max(cfg.random_steps - w.completed * c.frames_per_env, 0),
+            restart=w.restarts + 1,
+        )
+        return cfg
+
+    def worker_failed(self, error: BaseException) -> None:
+        """A worker raised or died for good: batches it completed before are still delivered
+        (the producer drains them), then the error ends the run."""
+        if self.pending_error is None:
+            self.pending_error = error
+        self.wake()
+
+    async def _watchdog(self, timeout: float) -> None:
+        """Declare hung the workers that spend longer than ``timeout`` in one call."""
+        period = min(max(timeout / 4, 0.01), 1.0)
+        while True:
+            await anyio.sleep(period)
+            for w in self.workers:
+                stuck = w.stuck(timeout)  # type: ignore[attr-defined]
+                if stuck is not None:
+                    await w.declare_hung(*stuck, timeout)  # type: ignore[attr-defined]
+
+
+__all__ = ["Run", "State", "loop_token"]
