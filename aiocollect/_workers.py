@@ -134,17 +134,13 @@ class ProcessWorker(WorkerHandle):
         return None if self.proc is None else self.proc.pid
 
     # -- start-up -------------------------------------------------------------------------------
-    def spawn(self) -> None:
-        self.proc = ChildProcess.spawn(
-            self.launcher, self.needs, _ENTRY, index=self.index, who=f"worker {self.index}"
-        )
+    def spawn(self) -> ChildProcess:
+        return ChildProcess.spawn(self.launcher, self.needs, _ENTRY, index=self.index, who=f"worker {self.index}")
 
-    async def configure(self, cfg: RolloutConfig) -> dict:
-        """Send the config to the (new) process; return the spec it reports."""
+    async def configure(self, proc: ChildProcess, cfg: RolloutConfig) -> dict:
+        """Send the config to a new process; return the spec it reports."""
         import cloudpickle
 
-        proc = self.proc
-        assert proc is not None
         await proc.handshake()
         await proc.send(("config", cloudpickle.dumps(cfg)))
         return (await proc.expect("spec"))[1]
@@ -252,9 +248,10 @@ class ProcessWorker(WorkerHandle):
                 await old.stop(0)  # killed now: it must never write into the slots again
         self.hung = None
         self.restarts += 1
-        self.spawn()
+        proc = self.spawn()
         try:
-            spec = await self.configure(cfg)
+            # not installed until configured: a credit or release must not reach it before its config
+            spec = await self.configure(proc, cfg)
             if spec != self.spec:
                 raise SpecError(
                     f"the replacement of worker {self.index} reports batch leaves {spec}, but the worker "
@@ -262,15 +259,15 @@ class ProcessWorker(WorkerHandle):
                 )
             assert self.monitor is not None
             self.monitor.reset()
+            self.proc = proc
             self.credits_sent = self.completed
-            await self.give_slots(self.free_slots())
+            await self.give_slots(self.free_slots())  # (slots released meanwhile are free now)
             if self.own_store is not None:
                 await self.give_store(self.own_store)
         except BaseException:
-            proc, self.proc = self.proc, None
-            if proc is not None:
-                with anyio.CancelScope(shield=True):
-                    await proc.stop(0)
+            self.proc = None
+            with anyio.CancelScope(shield=True):
+                await proc.stop(0)
             raise
 
     async def stop(self, timeout: float) -> None:
@@ -308,10 +305,10 @@ async def start_process_workers(
         for i in range(len(configs)):
             w = ProcessWorker(i, launcher, needs)
             workers.append(w)
-            w.spawn()
+            w.proc = w.spawn()
 
         async def handshake(w: ProcessWorker, cfg: RolloutConfig) -> None:
-            w.spec = await w.configure(cfg)
+            w.spec = await w.configure(w.proc, cfg)  # type: ignore[arg-type]
 
         async with anyio.create_task_group() as tg:
             for w, cfg in zip(workers, configs):
