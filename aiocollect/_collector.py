@@ -731,8 +731,13 @@ class Collector(AsyncResource):
             ) from exc
 
     def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+        from ._registry import snapshot
+
         c = self.config
         counters = tuple(self._start_counters) if self._start_counters else None
+        # ids registered in this process, for the workers: packed once, sent to each as bytes
+        env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
+        registry = snapshot(env_id) if c.num_workers else ()
         return [
             RolloutConfig(
                 env_fn=c.create_env_fn,
@@ -750,6 +755,7 @@ class Collector(AsyncResource):
                 traj_counters=counters,
                 start_batch=self._batches if c.delivery == "sync" else 0,
                 profile=self._worker_profile(i),
+                registry=registry,
             )
             for i in range(c.workers)
         ]

@@ -17,6 +17,7 @@ import numpy as np
 from ._errors import SpecError
 from ._layout import Key, Leaf, action_leaves, check_value, flattener, observation_leaves
 from ._policy import PolicySpec, RandomRunner, build_runner
+from ._registry import install as install_registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RolloutConfig:
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
     start_batch: int = 0
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
+    registry: tuple = ()  # _registry.snapshot() of the collector's process, installed before the envs are made
 
 
 def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
@@ -53,9 +55,15 @@ def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
     return env
 
 
-def add_envs(envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str) -> tuple[Any, Any]:
+def add_envs(
+    envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str, registry: tuple = ()
+) -> tuple[Any, Any]:
     """Append ``count`` new envs to ``envs`` (so the caller can close those made before a
-    failure) and check that they share their spaces; returns (observation, action) space."""
+    failure) and check that they share their spaces; returns (observation, action) space.
+
+    ``registry`` (a :func:`aiocollect._registry.snapshot` of the user's process) is installed
+    first, so that ids registered there can be made here, by id or by a factory."""
+    install_registry(registry)
     for _ in range(count):
         envs.append(make_env(env_fn, env_kwargs))
     obs_space, act_space = envs[0].observation_space, envs[0].action_space
@@ -95,7 +103,7 @@ class Rollout:
         self.envs: list[gym.Env] = []
         try:
             self.obs_space, self.act_space = add_envs(
-                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}"
+                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}", cfg.registry
             )
             self._setup(local_policy)
         except BaseException:
