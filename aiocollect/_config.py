@@ -65,7 +65,10 @@ class CollectorConfig:
 
     create_env_fn: Any
     """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``
-    (lambdas and classes defined in ``__main__`` or a notebook work: it travels with cloudpickle)."""
+    (lambdas and classes defined in ``__main__`` or a notebook work: it travels with cloudpickle).
+    Ids registered in this process (``gymnasium.register``, or by importing a plugin such as
+    ``ale_py``) can be made in the workers, by id or by a callable that calls ``gymnasium.make``:
+    the registry is sent to them at each start."""
     policy: Any = None
     """``None`` (random actions from the action space), a ``TensorDictModule``, a plain ``nn.Module``
     on the observation tensor, or any callable taking and returning a TensorDict."""
@@ -222,6 +225,10 @@ class CollectorConfig:
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
         if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+        if isinstance(fn, str) and self.num_workers > 0:
+            from ._registry import check_sendable
+
+            check_sendable(fn)  # the id's spec must reach the worker processes
 
         if self.on_worker_failure not in ("raise", "restart"):
             raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")

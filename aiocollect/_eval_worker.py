@@ -50,6 +50,7 @@ class EvalWorkerConfig:
     max_steps: int | None
     seed: int | None
     nice: int = 0
+    registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
 
 
 class _Abort(Exception):
@@ -75,7 +76,9 @@ class EvalWorker(Peer):
         self.cfg = cfg
         if cfg.nice:
             os.nice(cfg.nice)
-        self.obs_space, self.act_space = add_envs(self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator")
+        self.obs_space, self.act_space = add_envs(
+            self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator", cfg.registry
+        )
         self.obs_leaves = observation_leaves(self.obs_space)
         self.act_leaves = action_leaves(self.act_space)
         self.flatten_obs = flattener(self.obs_space, "observation")

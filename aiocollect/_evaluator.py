@@ -24,6 +24,7 @@ from ._bus import EventBus, Overflow, Subscription
 from ._config import _exploration_name, check_env_id
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 from ._eval_worker import EvalWorkerConfig
+from ._registry import snapshot as snapshot_registry
 from ._launcher import get_launcher
 from ._policy import PolicySpec, classify
 from ._systask import spawn_system_task
@@ -79,7 +80,8 @@ class EvaluatorConfig:
 
     env: Any
     """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env`` (it
-    travels with cloudpickle: lambdas and classes from ``__main__`` or a notebook work)."""
+    travels with cloudpickle: lambdas and classes from ``__main__`` or a notebook work). Ids
+    registered in this process before the evaluator is constructed can be made in its worker."""
     policy: Any = None
     """``None`` (random actions), an ``nn.Module`` on the observation tensor, a
     ``TensorDictModule`` or any callable taking and returning a TensorDict. Copied (pickled) at
@@ -420,6 +422,8 @@ class Evaluator(AsyncResource):
                 f"{name}={obj!r:.100} could not be pickled for the evaluator's worker ({type(exc).__name__}: "
                 f"{exc}); pass policy_factory=<a picklable function that builds it> instead"
             ) from exc
+        # ids registered in this process, for the worker (taken now: the config is sent as is)
+        registry = snapshot_registry(c.env if isinstance(c.env, str) else None, "env")
         try:
             self._worker_config = cloudpickle.dumps(EvalWorkerConfig(
                 env_fn=c.env,
@@ -431,6 +435,7 @@ class Evaluator(AsyncResource):
                 max_steps=c.max_steps,
                 seed=c.seed,
                 nice=c.nice,
+                registry=registry,
             ))
         except Exception as exc:
             raise ConfigError(

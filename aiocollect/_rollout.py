@@ -18,6 +18,7 @@ from ._errors import SpecError
 from ._heartbeat import POLICY, RESET, STEP
 from ._layout import Key, Leaf, action_leaves, check_value, flattener, observation_leaves
 from ._policy import PolicySpec, RandomRunner, build_runner
+from ._registry import install as install_registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RolloutConfig:
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
     restart: int = 0  # how many times this worker was replaced (seeds are derived from it)
+    registry: tuple = ()  # _registry.snapshot() of the collector's process, installed before the envs are made
 
 
 def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
@@ -54,9 +56,15 @@ def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
     return env
 
 
-def add_envs(envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str) -> tuple[Any, Any]:
+def add_envs(
+    envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str, registry: tuple = ()
+) -> tuple[Any, Any]:
     """Append ``count`` new envs to ``envs`` (so the caller can close those made before a
-    failure) and check that they share their spaces; returns (observation, action) space."""
+    failure) and check that they share their spaces; returns (observation, action) space.
+
+    ``registry`` (a :func:`aiocollect._registry.snapshot` of the user's process) is installed
+    first, so that ids registered there can be made here, by id or by a factory."""
+    install_registry(registry)
     for _ in range(count):
         envs.append(make_env(env_fn, env_kwargs))
     obs_space, act_space = envs[0].observation_space, envs[0].action_space
@@ -101,7 +109,7 @@ class Rollout:
         self.envs: list[gym.Env] = []
         try:
             self.obs_space, self.act_space = add_envs(
-                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}"
+                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}", cfg.registry
             )
             self._setup(local_policy)
         except BaseException:

@@ -540,8 +540,13 @@ class Run:
             ) from exc
 
     def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+        from ._registry import snapshot
+
         c = self.config
         counters = tuple(self.start_counters) if self.start_counters else None
+        # ids registered in this process, for the workers: packed once, sent to each as bytes
+        env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
+        registry = snapshot(env_id) if c.num_workers else ()
         return [
             RolloutConfig(
                 env_fn=c.create_env_fn,
@@ -557,6 +562,7 @@ class Run:
                 random_steps=max(c.random_steps - self.frames // c.total_envs, 0),
                 reset_at_each_iter=c.reset_at_each_iter,
                 traj_counters=counters,
+                registry=registry,
             )
             for i in range(c.workers)
         ]

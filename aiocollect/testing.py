@@ -1,15 +1,20 @@
-"""Test helpers: small deterministic gymnasium envs with failure injection.
+"""Test helpers: small deterministic gymnasium envs and a policy, with failure injection.
 
 They are public so that users can test their own collection code with them:
 
 - :class:`CountingEnv`: observations that say which env (seed) and step produced them, a
-  configurable step cost, and failures (an exception, or a hard crash) at a chosen step.
+  configurable step cost, and faults at a chosen step or reset: an exception, a hang, a process
+  that dies (SIGKILL, SIGSEGV, ``os._exit``), an observation that is NaN or does not match the
+  space.
 - :class:`SpacesEnv`: any observation and action space, for batch-layout tests.
-- :class:`BadObservationEnv`: returns observations that do not match its space.
-- :class:`InjectedFailure`: the exception the envs raise on purpose.
+- :class:`BadObservationEnv`: returns observations of the wrong shape from a given step of every
+  episode on (already at reset, by default).
+- :class:`FaultyPolicy`: a ``torch.nn.Module`` policy that raises, or returns a wrong shape or
+  NaN, on its N-th call. Loaded on first use: importing this module never imports torch.
+- :class:`InjectedFailure`: the exception the envs and the policy raise on purpose.
 
-All envs are module-level classes (picklable by reference, so they can be sent to worker
-processes) and ``close()`` may be called any number of times.
+All of them are module-level classes (picklable by reference, so they can be sent to worker
+processes) and the envs' ``close()`` may be called any number of times.
 
 This module is imported inside worker processes: it imports only the standard library, numpy
 and gymnasium.
@@ -18,20 +23,51 @@ and gymnasium.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["BadObservationEnv", "CountingEnv", "InjectedFailure", "SpacesEnv"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ._testing_torch import FaultyPolicy as FaultyPolicy
+
+__all__ = ["BadObservationEnv", "CountingEnv", "FaultyPolicy", "InjectedFailure", "SpacesEnv"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FaultyPolicy":  # imports torch: only when asked for
+        from ._testing_torch import FaultyPolicy
+
+        return FaultyPolicy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _hang() -> None:
+    """Block forever, as a deadlocked simulator does; a signal handler that raises (Ctrl-C's
+    KeyboardInterrupt) ends it, SIGKILL ends the process."""
+    while True:
+        time.sleep(60)
+
+
+def _segfault() -> None:
+    """Die of a real SIGSEGV (reading address 0), without leaving a core file."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - best effort
+        pass
+    ctypes.string_at(0)
 
 
 class InjectedFailure(RuntimeError):
-    """Raised on purpose by the envs of this module (``fail_at_step``, ``fail_on_reset``).
+    """Raised on purpose by the envs of this module (``fail_at_step``, ``fail_on_reset``) and by
+    :class:`FaultyPolicy`.
 
     Tests catch it to check that an env's exception reaches the consumer (wrapped in
     :class:`aiocollect.WorkerError` when it comes from a worker).
@@ -81,6 +117,24 @@ class CountingEnv(_ClosableEnv):
         crash_at_step: on the N-th call to ``step`` (1-based), kill the env's own process with
             ``SIGKILL``, as a crash in native code would. **Only use it in envs that run inside
             worker processes**: in the process that runs your tests, it kills the test run.
+        segfault_at_step: on the N-th call to ``step``, crash the env's own process with a real
+            segmentation fault (``SIGSEGV``, no core file). **Worker processes only.**
+        exit_at_step: on the N-th call to ``step``, end the env's own process with
+            ``os._exit(exit_code)`` (no clean-up, no flushing, as a library calling ``exit()`` in
+            native code does). **Worker processes only.**
+        exit_code: the exit status of ``exit_at_step``.
+        hang_at_step: block forever in the N-th call to ``step``, like a deadlocked simulator
+            (an interruptible sleep: a signal handler that raises, such as Ctrl-C's, ends it).
+        hang_on_reset: block forever in the N-th call to ``reset``.
+        nan_at_step: the observation of the N-th call to ``step`` is all NaN (float dtypes only:
+            ``ValueError`` at construction otherwise).
+        wrong_shape_at_step: the observation of the N-th call to ``step`` has one more element on
+            its last axis (shape ``(1,)`` for a scalar space), so it does not match the space.
+            :class:`BadObservationEnv` gives wrong shapes from a step of every episode on.
+        wrong_dtype_at_step: the observation of the N-th call to ``step`` has another kind of
+            dtype than the space: ``int64`` for a float space, ``float64`` for an integer one.
+
+        After a fault of the observation, the episode carries on: later observations are right.
 
     Attributes:
         num_steps: calls to ``step`` so far (including one that raised).
@@ -100,18 +154,38 @@ class CountingEnv(_ClosableEnv):
         fail_at_step: int | None = None,
         fail_on_reset: int | None = None,
         crash_at_step: int | None = None,
+        segfault_at_step: int | None = None,
+        exit_at_step: int | None = None,
+        exit_code: int = 1,
+        hang_at_step: int | None = None,
+        hang_on_reset: int | None = None,
+        nan_at_step: int | None = None,
+        wrong_shape_at_step: int | None = None,
+        wrong_dtype_at_step: int | None = None,
     ) -> None:
         if episode_length < 1:
             raise ValueError(f"episode_length must be at least 1, got {episode_length}")
         self.episode_length = episode_length
         self.obs_shape = tuple(obs_shape)
         self.dtype = np.dtype(dtype)
+        if nan_at_step is not None and self.dtype.kind != "f":
+            raise ValueError(
+                f"nan_at_step needs a float dtype, got dtype={self.dtype}: NaN is not an integer"
+            )
         self.truncate = truncate
         self.step_cost = step_cost
         self.step_sleep = step_sleep
         self.fail_at_step = fail_at_step
         self.fail_on_reset = fail_on_reset
         self.crash_at_step = crash_at_step
+        self.segfault_at_step = segfault_at_step
+        self.exit_at_step = exit_at_step
+        self.exit_code = exit_code
+        self.hang_at_step = hang_at_step
+        self.hang_on_reset = hang_on_reset
+        self.nan_at_step = nan_at_step
+        self.wrong_shape_at_step = wrong_shape_at_step
+        self.wrong_dtype_at_step = wrong_dtype_at_step
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             low, high = info.min, info.max
@@ -131,6 +205,8 @@ class CountingEnv(_ClosableEnv):
         """Start an episode; see the class docstring for the observations."""
         self._check_open()
         self.num_resets += 1
+        if self.hang_on_reset == self.num_resets:
+            _hang()
         if self.fail_on_reset is not None and self.num_resets == self.fail_on_reset:
             raise InjectedFailure(f"CountingEnv: injected failure at reset {self.num_resets}")
         super().reset(seed=seed)
@@ -153,9 +229,15 @@ class CountingEnv(_ClosableEnv):
                 f"CountingEnv: action {action!r} (type {type(action).__name__}) is not in the "
                 f"action space {self.action_space}"
             )
-        self.num_steps += 1
-        if self.crash_at_step is not None and self.num_steps == self.crash_at_step:
+        n = self.num_steps = self.num_steps + 1
+        if self.crash_at_step == n:
             os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+        if self.segfault_at_step == n:
+            _segfault()
+        if self.exit_at_step == n:
+            os._exit(self.exit_code)
+        if self.hang_at_step == n:
+            _hang()
         if self.fail_at_step is not None and self.num_steps == self.fail_at_step:
             raise InjectedFailure(f"CountingEnv: injected failure at step {self.num_steps}")
         if self.step_cost > 0:
@@ -168,7 +250,19 @@ class CountingEnv(_ClosableEnv):
         done = self._count >= self.episode_length
         terminated = done and not self.truncate
         truncated = done and self.truncate
-        return self._obs(), float(action) + 1.0, terminated, truncated, {"count": self._count}
+        return self._faulty_obs(n), float(action) + 1.0, terminated, truncated, {"count": self._count}
+
+    def _faulty_obs(self, n: int) -> np.ndarray:
+        """The observation of the ``n``-th step, with the fault injected at that step, if any."""
+        obs = self._obs()
+        if self.nan_at_step == n:
+            obs = np.full(self.obs_shape, np.nan, self.dtype)
+        if self.wrong_shape_at_step == n:
+            shape = self.obs_shape[:-1] + (self.obs_shape[-1] + 1,) if self.obs_shape else (1,)
+            obs = np.full(shape, obs.flat[0], self.dtype)
+        if self.wrong_dtype_at_step == n:
+            obs = obs.astype(np.int64 if self.dtype.kind == "f" else np.float64)
+        return obs
 
 
 class SpacesEnv(_ClosableEnv):
@@ -240,6 +334,8 @@ class BadObservationEnv(_ClosableEnv):
     the observations have shape ``bad_shape``; before it they are zeros of shape ``(3,)``. For
     tests that a mismatch between an env and its space gets a clear error. Actions are
     ``Discrete(2)``, the reward is ``1.0``, episodes terminate after ``episode_length`` steps.
+    (For one bad observation in an otherwise good env, see :class:`CountingEnv`'s
+    ``wrong_shape_at_step``, ``wrong_dtype_at_step`` and ``nan_at_step``.)
     """
 
     def __init__(

@@ -159,6 +159,174 @@ def test_counting_env_crash_at_step_kills_its_process():
     assert proc.stdout == "two steps\n"
 
 
+def _run_child(code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that imports this checkout's aiocollect."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "returncode"),
+    [({"segfault_at_step": 3}, -signal.SIGSEGV), ({"exit_at_step": 3, "exit_code": 7}, 7)],
+    ids=["segfault", "exit"],
+)
+def test_counting_env_process_faults_end_its_process_at_the_nth_step_only(kwargs, returncode):
+    """segfault_at_step dies of a real SIGSEGV, exit_at_step exits with exit_code: in a child
+    interpreter, at the N-th step only, without running the code after it."""
+    proc = _run_child(
+        f"""
+        from aiocollect.testing import CountingEnv
+        env = CountingEnv(**{kwargs!r})
+        env.reset(seed=0)
+        env.step(0)
+        env.step(0)
+        print("two steps", flush=True)
+        try:
+            env.step(0)
+        finally:
+            print("survived", flush=True)
+        """
+    )
+    assert proc.returncode == returncode, proc.stderr
+    assert proc.stdout == "two steps\n"
+
+
+@pytest.mark.parametrize("where", ["step", "reset"])
+def test_counting_env_hang_blocks_in_the_nth_call_until_interrupted(where):
+    """hang_at_step / hang_on_reset block in the N-th call (earlier calls return) and never
+    return by themselves; Ctrl-C (SIGINT, sent by a timer in the child) ends the hang with
+    KeyboardInterrupt. Run in a child interpreter."""
+    proc = _run_child(
+        f"""
+        import os, signal, threading
+        from aiocollect.testing import CountingEnv
+        env = CountingEnv(hang_at_step=2, hang_on_reset=3)  # reset(seed=0) is the first reset
+        call = env.step if {where!r} == "step" else (lambda action: env.reset())
+        env.reset(seed=0)
+        call(0)
+        print("first call returned", flush=True)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            call(0)
+            print("second call returned", flush=True)
+        except KeyboardInterrupt:
+            print(f"interrupted: {{env.num_steps}} steps, {{env.num_resets}} resets", flush=True)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = "2 steps, 1 resets" if where == "step" else "0 steps, 3 resets"
+    assert proc.stdout == f"first call returned\ninterrupted: {expected}\n"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_counting_env_nan_at_step_makes_only_that_observation_nan(dtype):
+    env = CountingEnv(episode_length=2, nan_at_step=3, dtype=dtype)
+    obs, ends = rollout(env, 0, 4)  # steps 1, 2 (episode end: not reset here), 3, 4
+    assert [np.isnan(o).all() for o in obs] == [False, False, False, True, False]
+    assert obs[3].dtype == dtype and obs[3].shape == (3,)
+    assert np.all(obs[4] == 4)
+
+
+def test_counting_env_nan_at_step_refuses_an_integer_dtype():
+    with pytest.raises(ValueError, match="nan_at_step needs a float dtype.*int64"):
+        CountingEnv(dtype=np.int64, nan_at_step=1)
+
+
+@pytest.mark.parametrize(
+    ("obs_shape", "dtype", "bad_shape", "bad_dtype"),
+    [((3,), np.float32, (4,), np.int64), ((2, 3), np.float64, (2, 4), np.int64), ((), np.int64, (1,), np.float64)],
+)
+def test_counting_env_wrong_shape_and_dtype_at_step_only_that_observation(obs_shape, dtype, bad_shape, bad_dtype):
+    """The observation of the N-th step does not match the space (one more element on the last
+    axis, or another kind of dtype); those before and after it do."""
+    for kwargs, bad in (
+        ({"wrong_shape_at_step": 2}, lambda o: o.shape == bad_shape and o.dtype == dtype),
+        # another kind (gymnasium's Box.contains accepts an int64 observation in a float64 box)
+        ({"wrong_dtype_at_step": 2}, lambda o: o.shape == obs_shape and o.dtype == bad_dtype),
+    ):
+        env = CountingEnv(obs_shape=obs_shape, dtype=dtype, **kwargs)
+        obs, _ = rollout(env, 0, 3)
+        good = [o.shape == obs_shape and o.dtype == dtype and o in env.observation_space for o in obs]
+        assert good == [True, True, False, True], kwargs
+        assert bad(obs[2]), (kwargs, obs[2])
+        assert np.all(obs[2] == 2) and np.all(obs[3] == 3)
+
+
+# ---- FaultyPolicy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["raise", "wrong_shape", "nan"])
+def test_faulty_policy_injects_its_fault_on_the_nth_call_only(fault):
+    """Calls before and after the N-th return actions [E, *action_shape] equal to `action`; the
+    N-th raises InjectedFailure, or returns an extra last dimension, or NaN."""
+    import torch
+
+    from aiocollect.testing import FaultyPolicy
+
+    dtype = torch.float32 if fault == "nan" else torch.int64
+    policy = FaultyPolicy(fault, at_call=2, action=1, action_shape=(2,), dtype=dtype)
+    obs = torch.zeros(5, 3)
+    good = policy(obs)
+    assert good.shape == (5, 2) and good.dtype == dtype and (good == 1).all()
+    if fault == "raise":
+        with pytest.raises(InjectedFailure, match="call 2"):
+            policy(obs)
+    else:
+        bad = policy(obs)
+        if fault == "wrong_shape":
+            assert bad.shape == (5, 2, 3)
+        else:
+            assert bad.shape == (5, 2) and bad.isnan().all()
+    assert torch.equal(policy(obs), good)
+    assert policy.calls == 3
+
+
+def test_faulty_policy_refuses_bad_arguments():
+    import torch
+
+    from aiocollect.testing import FaultyPolicy
+
+    with pytest.raises(ValueError, match="fault='segfault'"):
+        FaultyPolicy("segfault")
+    with pytest.raises(ValueError, match="at_call=0"):
+        FaultyPolicy("raise", at_call=0)
+    with pytest.raises(ValueError, match="float dtype.*torch.int64"):
+        FaultyPolicy("nan", dtype=torch.int64)
+
+
+def test_faulty_policy_pickles_by_reference_with_its_call_count():
+    import torch
+
+    from aiocollect.testing import FaultyPolicy
+
+    policy = FaultyPolicy("raise", at_call=2)
+    policy(torch.zeros(1, 3))
+    data = pickle.dumps(policy)
+    assert b"aiocollect._testing_torch" in data and b"FaultyPolicy" in data
+    clone = pickle.loads(data)
+    assert type(clone) is FaultyPolicy and clone.calls == 1
+    with pytest.raises(InjectedFailure):
+        clone(torch.zeros(1, 3))
+
+
+def test_testing_module_loads_torch_only_for_faulty_policy():
+    """``import aiocollect.testing`` (as a worker does) imports no torch; asking for
+    FaultyPolicy does, and it is listed in __all__."""
+    proc = _run_child(
+        """
+        import sys
+        import aiocollect.testing as testing
+        print("torch" in sys.modules, flush=True)
+        testing.FaultyPolicy
+        print("torch" in sys.modules, "FaultyPolicy" in testing.__all__, flush=True)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "False\nTrue True\n"
+
+
 def test_counting_env_passes_gymnasium_check_env():
     with warnings.catch_warnings():
         # Unbounded Box observations are deliberate (values grow with the seed); check_env
