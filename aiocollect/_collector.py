@@ -146,7 +146,7 @@ class Collector(AsyncResource):
         self._portal = portal = _Portal(run)
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
-        self._finalizer = weakref.finalize(self, _finalize, run, portal, repr(self))
+        self._finalizer = weakref.finalize(self, _finalize, run, portal)
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             needs = PolicySpec("random" if policy is None and policy_factory is None else
@@ -185,13 +185,7 @@ class Collector(AsyncResource):
         return tuple(self._run.sync.acked)
 
     def __repr__(self) -> str:
-        c = self.config
-        run = getattr(self, "_run", None)
-        state, frames = ("created", 0) if run is None else (run.state.value, run.frames)
-        return (
-            f"<Collector {c.create_env_fn!r} {state}: {c.num_workers} workers x "
-            f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {frames} frames>"
-        )
+        return _describe(self._run)
 
     # -- weights ----------------------------------------------------------------------------------
     async def update_weights(
@@ -574,9 +568,18 @@ def _close_open_portals() -> None:
             portal.close()
 
 
-def _finalize(run: Run, portal: _Portal, name: str) -> None:  # (a finalizer: must not refer to the collector)
+def _describe(run: Run) -> str:
+    c = run.config
+    return (
+        f"<Collector {c.create_env_fn!r} {run.state.value}: {c.num_workers} workers x "
+        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.frames} frames>"
+    )
+
+
+def _finalize(run: Run, portal: _Portal) -> None:  # (a finalizer: must not refer to the collector)
     """The collector was garbage-collected (or the interpreter exits): stop what it left running."""
     active = run.task is not None and not run.done.is_set()
+    name = _describe(run)
     if portal.portal is not None:
         try:
             portal.portal.call(run.aclose)

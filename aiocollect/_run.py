@@ -106,6 +106,7 @@ class Run:
         self.ended = False  # the consumer saw the end of the stream
         self.finished = False  # every batch was collected (the workers will collect no more)
         self.loop_gone = False  # the event loop that ran it ended under it
+        self.abandoned = False  # its Collector was garbage-collected
         self.launch_failed = False
         self.error: BaseException | None = None
         self.error_seen = False
@@ -209,7 +210,10 @@ class Run:
         """The collector was garbage-collected while running: stop the run from wherever we are
         (a finalizer, in any thread). Its own task stops the workers; if its loop is gone, they
         are killed now."""
+        self.abandoned = True
         if self.task is None or self.done.is_set():
+            if self.task is not None:
+                self.recv.close()
             return
         self.closing = True
         loop = self.loop
@@ -455,6 +459,8 @@ class Run:
                 self.bar.close()
                 self.bar = None
             self.send.close()
+            if self.abandoned:  # no consumer is left to receive anything
+                self.recv.close()
             if self.state is not State.CLOSED:
                 self.state = State.STOPPED
             self.sync.notify()
