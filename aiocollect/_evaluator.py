@@ -21,7 +21,7 @@ import anyio
 import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
-from ._config import _exploration_name, check_env_id
+from ._config import _exploration_name, check_env_id, check_platform
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 from ._eval_worker import EvalWorkerConfig
 from ._registry import snapshot as snapshot_registry
@@ -125,6 +125,7 @@ class EvaluatorConfig:
     busy machine."""
 
     def __post_init__(self) -> None:
+        check_platform("Evaluator")
         env = self.env
         if isinstance(env, str):
             check_env_id(env, "env")

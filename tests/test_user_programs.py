@@ -1,0 +1,321 @@
+"""Short, complete programs as users write them, each run to its end (or cancelled, or broken out
+of), with the data checked: the training loop with weight updates for every delivery mode,
+prefetch and backend; updates before the first batch, after a break, from another task, at once
+from two tasks; a collector forgotten in a notebook cell; a collector used from a second event
+loop; the blocking wrapper inside an event loop; plain scripts that never close their collector;
+and the same programs on trio."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from aiocollect import AiocollectError, Collector, CollectorClosedError, ConfigError, State
+from aiocollect._weightsync import WeightSync
+from procs import alive
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+class Greedy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def forward(self, observation):
+        return self.net(observation).argmax(-1)
+
+
+def train(policy: torch.nn.Module) -> None:
+    """What a trainer does between batches: the weights change."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+
+
+def check_batch(batch) -> None:
+    """CartPole's dynamics: the `next` observation of frame t is the observation of frame t+1
+    unless the episode ended at t; a batch from one worker has one policy version per env row."""
+    obs, nxt, done = batch["observation"], batch["next", "observation"], batch["next", "done"][..., 0]
+    broken = ~(nxt[:, :-1] == obs[:, 1:]).all(-1) & ~done[:, :-1]
+    assert not bool(broken.any()), f"{int(broken.sum())} frames break continuity"
+    versions = batch["collector", "policy_version"]
+    assert bool((versions == versions[:, :1]).all()), "a worker's batch mixes weight versions"
+
+
+# ---- the training loop ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["local", "process"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_training_loop_with_weight_updates_runs_to_its_natural_end(delivery, prefetch, num_workers):
+    """`async for batch in c: train(batch); await c.update_weights(policy)` with a finite
+    total_frames ends cleanly after exactly total_frames // frames_per_batch batches, whatever
+    the delivery mode, prefetch and backend; the data obey CartPole's dynamics; the versions
+    each worker's frames carry never go back; after the end an update returns a new version without
+    waiting, and after aclose() it raises CollectorClosedError."""
+    policy = Greedy()
+    batches, versions = 0, {}
+    total_envs = 2 * max(num_workers, 1)
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=256, total_frames=256 * 6, num_workers=num_workers,
+                             envs_per_worker=2, delivery=delivery, prefetch=prefetch) as c:
+            async for batch in c:
+                check_batch(batch)
+                batches += 1
+                workers = batch["collector", "traj_ids"][:, 0] % total_envs // 2  # ids encode the global env
+                for w, v in zip(workers.tolist(), batch["collector", "policy_version"][:, 0].tolist()):
+                    versions.setdefault(w, []).append(v)
+                train(policy)
+                version = await c.update_weights(policy)
+                assert version == batches
+            assert c.state is State.STOPPED
+            assert await c.update_weights(policy) == batches + 1  # the workers are done: nothing to wait for
+    assert batches == 6
+    assert all(v == sorted(v) for v in versions.values()), versions
+    assert max(max(v) for v in versions.values()) >= 1
+    with pytest.raises(CollectorClosedError):
+        await c.update_weights(policy)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1], ids=["local", "process"])
+async def test_break_then_update_then_go_on_collecting(num_workers):
+    """`break` out of `async for`, update, then iterate again: the update is applied (the
+    frames soon carry its version) and collection goes on where it stopped."""
+    policy = Greedy()
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, num_workers=num_workers, envs_per_worker=2) as c:
+            async for batch in c:
+                break
+            train(policy)
+            assert await c.update_weights(policy) == 1
+            async for batch in c:
+                check_batch(batch)
+                if int(batch["collector", "policy_version"].min()) == 1:
+                    break
+
+
+async def test_update_before_the_first_batch_starts_the_collector_and_every_later_frame_has_it():
+    """An update before `async with` (or before the first batch) starts the collector and waits
+    until every worker applied it: every frame collected after that carries it."""
+    policy = Greedy()
+    c = Collector("CartPole-v1", policy, frames_per_batch=64, total_frames=64 * 6, num_workers=2,
+                  envs_per_worker=2, prefetch=0)
+    with anyio.fail_after(60):
+        train(policy)
+        assert await c.update_weights(policy) == 1
+        assert c.state is State.RUNNING and c.worker_versions == (1, 1)
+        async with c:
+            batches = [b async for b in c]
+    assert len(batches) == 6
+    assert all(bool((b["collector", "policy_version"] == 1).all()) for b in batches)
+
+
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_updates_from_a_trainer_task_while_another_task_consumes(delivery):
+    """A trainer task publishes weights in a loop while the consumer task iterates to the end:
+    neither fails nor hangs, and each worker's versions never go back."""
+    policy = Greedy()
+    seen: dict[int, list[int]] = {}
+    done = anyio.Event()
+
+    async def trainer(c: Collector) -> None:
+        while not done.is_set():
+            train(policy)
+            await c.update_weights(policy)
+            await anyio.sleep(0.005)
+
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=128, total_frames=128 * 10, num_workers=2,
+                             envs_per_worker=2, delivery=delivery) as c:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(trainer, c)
+                async for batch in c:
+                    check_batch(batch)
+                    ids = batch["collector", "traj_ids"][:, 0] % 4  # traj ids encode the global env index
+                    for env, version in zip(ids.tolist(), batch["collector", "policy_version"][:, 0].tolist()):
+                        seen.setdefault(env, []).append(version)
+                done.set()
+    assert c.policy_version > 1
+    for env, versions in seen.items():
+        assert versions == sorted(versions), (env, versions)
+
+
+async def test_two_tasks_updating_at_once_both_return_when_the_workers_applied():
+    """Two tasks calling update_weights(wait=True) at the same moment both return once the
+    workers applied their versions (neither loses its wake-up)."""
+    policy = Greedy()
+    with anyio.fail_after(30):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, num_workers=2, envs_per_worker=2) as c:
+            await c.collect()
+            versions: list[int] = []
+
+            async def update() -> None:
+                versions.append(await c.update_weights(policy))
+
+            for _ in range(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(update)
+                    tg.start_soon(update)
+                assert min(c.worker_versions) >= max(versions)
+    assert sorted(versions) == list(range(1, 11))
+
+
+async def test_every_waiter_wakes_at_one_acknowledgement():
+    """The weight store's waiters share one wake-up: one acknowledgement wakes all of them at
+    once (no waiter falls back to polling)."""
+
+    class Seat:
+        index = 0
+
+    sync = WeightSync(None, True, lambda *a, **k: anyio.sleep(0))
+    sync.acked = [0]
+    woken: list[int] = []
+
+    async def waiter(k: int) -> None:
+        assert await sync.wait_applied(1, [0], lambda: True)
+        woken.append(k)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(3):
+            tg.start_soon(waiter, k)
+        await anyio.wait_all_tasks_blocked()
+        await sync.on_applied(Seat(), 1)
+        await anyio.wait_all_tasks_blocked()
+        assert sorted(woken) == [0, 1, 2]
+
+
+# ---- collectors people forget, loops they mix -------------------------------------------------
+
+async def test_a_forgotten_collector_is_stopped_with_a_resource_warning():
+    """Re-running a notebook cell `c = Collector(...); await c.start()` leaves the previous
+    collector unreachable: the garbage collector's finalizer stops its workers and warns."""
+    pids = []
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        for _ in range(3):
+            c = Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
+            await c.start()
+            pids.append(c.worker_pids[0])
+        del c
+        gc.collect()
+    with anyio.fail_after(20):
+        while any(alive(p) for p in pids):
+            await anyio.sleep(0.02)
+
+
+async def test_break_out_of_async_for_over_an_unnamed_collector_stops_it():
+    """`async for batch in Collector(...): break` (no name, no close): the collector is stopped
+    once it is garbage-collected, with a ResourceWarning."""
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        async for batch in Collector("CartPole-v1", frames_per_batch=64, num_workers=1):
+            check_batch(batch)
+            break
+        gc.collect()
+    with anyio.fail_after(20):
+        while any(alive(p) for p in _children()):
+            await anyio.sleep(0.02)
+
+
+def _children() -> list[int]:
+    from aiocollect._launcher import get_launcher
+
+    pid = get_launcher().pid
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def test_a_collector_belongs_to_the_event_loop_that_started_it():
+    """`asyncio.run(c.start())` then `asyncio.run(c.collect())`: the second loop gets an error
+    that says why (the first loop ended and took the workers with it), not a false "all frames
+    collected"; aclose() from the new loop is fine; no worker is left."""
+    c = Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
+    asyncio.run(c.start())
+    pid = c.worker_pids[0] if c.worker_pids else None
+    with pytest.raises(CollectorClosedError, match="another event loop"):
+        asyncio.run(c.collect())
+    with pytest.raises(CollectorClosedError, match="another event loop"):
+        asyncio.run(c.start())
+    asyncio.run(c.aclose())
+    assert c.state is State.CLOSED
+    assert pid is None or not alive(pid)
+
+
+async def test_the_blocking_wrapper_refuses_to_freeze_a_running_event_loop():
+    """`for batch in c` or `with c:` inside a coroutine would block the loop: a clear error
+    pointing at `async for` instead, and nothing is started."""
+    c = Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
+    with pytest.raises(AiocollectError, match="async for"):
+        for _ in c:
+            pass  # pragma: no cover
+    with pytest.raises(AiocollectError, match="async with"):
+        with c:
+            pass  # pragma: no cover
+    assert c.state is State.CREATED
+    await c.aclose()
+
+
+@pytest.mark.parametrize("mode", ["end", "break", "raise", "endless_break"])
+def test_plain_script_that_never_closes_its_collector_exits(mode):
+    """A script with `for batch in Collector(...)` and no `with`/`close()` exits promptly
+    whether the loop ends, is broken out of, or raises, and leaves no worker behind."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plain_for.py"), mode], capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == (1 if mode == "raise" else 0), proc.stderr
+    lines = proc.stdout.split()
+    assert lines[0] == "pids", proc.stdout
+    pids = [int(p) for p in lines[1:]]
+    assert pids and not any(alive(p) for p in pids)
+    assert "Traceback" not in proc.stderr or mode == "raise", proc.stderr
+    assert time.monotonic() - t0 < 55
+
+
+def test_collector_refuses_other_platforms_at_construction(monkeypatch):
+    """aiocollect needs Linux: elsewhere, constructing a collector with worker processes (or an
+    evaluator) raises ConfigError saying so, before anything starts."""
+    from aiocollect import Evaluator
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="needs Linux"):
+        Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
+    with pytest.raises(ConfigError, match="needs Linux"):
+        Evaluator("CartPole-v1")
+
+
+# ---- trio ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["local", "process"])
+def test_training_loop_on_trio(num_workers):
+    """The training loop, and a cancelled `async with` entry, on trio (through anyio)."""
+    pytest.importorskip("trio")
+    policy = Greedy()
+
+    async def main() -> int:
+        n = 0
+        async with Collector("CartPole-v1", policy, frames_per_batch=128, total_frames=128 * 4,
+                             num_workers=num_workers, envs_per_worker=2, delivery="async") as c:
+            async for batch in c:
+                check_batch(batch)
+                n += 1
+                train(policy)
+                await c.update_weights(policy)
+        c2 = Collector("CartPole-v1", policy, frames_per_batch=128, num_workers=num_workers)
+        with anyio.move_on_after(0.05):
+            async with c2:
+                await anyio.sleep(10)  # pragma: no cover
+        assert c2.state is State.CLOSED
+        return n
+
+    assert anyio.run(main, backend="trio") == 4
