@@ -126,6 +126,9 @@ class Launcher:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # no terminal signals: the collector stops its workers
                 env=env,
+                # `-m` puts the working directory first on sys.path: ours, so that an `aiocollect`
+                # directory where the user runs their script is not imported instead of this package
+                cwd=pkg_root,
             )
         finally:
             theirs.close()
