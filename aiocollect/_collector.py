@@ -4,7 +4,8 @@ through a bounded stream to ``async for`` / :meth:`Collector.collect`."""
 from __future__ import annotations
 
 import enum
-
+import importlib
+import sys
 import time
 import warnings
 from collections import deque
@@ -12,11 +13,10 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import anyio
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from . import events as ev
 from ._bus import EventBus, Overflow, Subscription
@@ -34,11 +34,13 @@ from ._layout import Key, SlotLayout, frame_leaves
 from ._policy import PolicySpec, classify, describe
 from ._profiling import ProfileConfig, Recorder
 from ._rollout import RolloutConfig
-from ._split import split_trajectories
 from ._resource import AsyncResource, unwrap_group as _unwrap
 from ._systask import spawn_system_task
 from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+
+if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
+    from tensordict import TensorDict, TensorDictBase
 
 E = TypeVar("E", bound=ev.Event)
 
@@ -442,7 +444,7 @@ class Collector(AsyncResource):
         if self._state is State.CREATED:
             self._state = State.STARTING
             size = max(self.config.prefetch, 1)
-            self._send, self._recv = anyio.create_memory_object_stream[tuple[TensorDict, list, int]](size)
+            self._send, self._recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int]](size)
             self._started = anyio.Event()
             self._done = anyio.Event()
             self._stop = anyio.Event()
@@ -656,7 +658,13 @@ class Collector(AsyncResource):
             try:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
-                    await self._launch()
+                    async with anyio.create_task_group() as starting:
+                        # tensordict's import (seconds: it imports torch._dynamo) overlaps the
+                        # workers' start-up, in a thread so that the event loop keeps running
+                        # (torch's import code still holds the GIL for up to ~0.1 s at times)
+                        if "tensordict" not in sys.modules:
+                            starting.start_soon(anyio.to_thread.run_sync, importlib.import_module, "tensordict")
+                        await self._launch()
                     self._stats.start()
                     for w in self._workers:
                         await self._emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
@@ -904,6 +912,8 @@ class Collector(AsyncResource):
 
             remaining = _ENDLESS if total is None else total - self._collected // c.frames_per_batch
             trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
+        if c.split_trajs:
+            from ._split import split_trajectories
         self._batches_at_start = self._batches
         while rounds < remaining:
             if self._pending_error is not None and not self._deliverable():
@@ -996,6 +1006,8 @@ class Collector(AsyncResource):
         views = [w.slots.views[slot] for w, slot in parts]
 
         def copy() -> TensorDict:
+            from tensordict import TensorDict
+
             flat: dict[Key, torch.Tensor] = {}
             for leaf in layout.leaves:
                 tensors = [v[leaf.key] for v in views]
