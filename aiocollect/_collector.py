@@ -9,10 +9,9 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import anyio
-from tensordict import TensorDict
 
 from . import events as ev
 from ._bus import Overflow, Subscription
@@ -24,6 +23,9 @@ from ._profiling import ProfileConfig
 from ._resource import AsyncResource
 from ._run import Run, State, loop_token
 from ._stats import CollectorStats
+
+if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
+    from tensordict import TensorDict
 
 E = TypeVar("E", bound=ev.Event)
 
@@ -102,7 +104,7 @@ class Collector(AsyncResource):
         seed: int | None = None,
         prefetch: int = 2,
         shutdown_timeout: float = 5.0,
-        postproc: Callable[[TensorDict], Any] | None = None,
+        postproc: Callable[["TensorDict"], Any] | None = None,
         update_at_each_batch: bool = False,
         trajs_per_batch: int | None = None,
         traj_format: str = "pad",
@@ -411,7 +413,7 @@ class Collector(AsyncResource):
         await self._run.aclose()
 
     # -- consuming --------------------------------------------------------------------------------
-    async def collect(self) -> TensorDict:
+    async def collect(self) -> "TensorDict":
         """The next batch (starting the collector if needed).
 
         Raises :class:`EndOfCollection` once ``total_frames`` have been delivered, a worker's
@@ -439,10 +441,10 @@ class Collector(AsyncResource):
     def paused(self) -> bool:
         return self._run.paused > 0
 
-    def __aiter__(self) -> AsyncIterator[TensorDict]:
+    def __aiter__(self) -> AsyncIterator["TensorDict"]:
         return self
 
-    async def __anext__(self) -> TensorDict:
+    async def __anext__(self) -> "TensorDict":
         try:
             return await self.collect()
         except EndOfCollection:
@@ -477,7 +479,7 @@ class Collector(AsyncResource):
             if exc is None:
                 raise
 
-    def __iter__(self) -> Iterator[TensorDict]:
+    def __iter__(self) -> Iterator["TensorDict"]:
         """Plain ``for batch in collector`` (blocking). Runs the collector in an event loop in a
         helper thread (an anyio blocking portal); :meth:`close` ends both. Without ``with``, the
         collector closes itself at the end of the collection, and at interpreter exit if the

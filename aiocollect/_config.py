@@ -103,7 +103,9 @@ class CollectorConfig:
     exploration_type: str = "random"
     """tensordict interaction type the policy runs under: random, deterministic, mode, mean, median."""
     progress: bool = False
-    """Show a progress bar (tqdm; works in notebooks)."""
+    """Show a progress bar (needs tqdm: ``pip install 'aiocollect[progress]'``). In Jupyter it stays
+    in the cell that starts the collector: a widget with ipywidgets (``aiocollect[notebook]``), a
+    text line updated in place without."""
     seed: int | None = None
     """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
     prefetch: int = 2
@@ -203,6 +205,10 @@ class CollectorConfig:
         for name in ("reset_at_each_iter", "split_trajs", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.progress:
+            from ._progress import check_available
+
+            check_available()
         object.__setattr__(self, "exploration_type", _exploration_name(self.exploration_type))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an int or None")

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from . import events as ev
 from ._errors import BrokenWorkerError
 from ._layout import Key, SlotLayout
-from ._split import split_trajectories
 
 if TYPE_CHECKING:  # pragma: no cover
+    from tensordict import TensorDict, TensorDictBase
+
     from ._run import Run
     from ._workers import WorkerHandle
 
@@ -41,7 +41,7 @@ def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
     return out
 
 
-def frames_in(batch: TensorDictBase) -> int:
+def frames_in(batch: "TensorDictBase") -> int:
     mask = batch.get(("collector", "mask"), None)
     return int(mask.sum()) if mask is not None else batch.numel()
 
@@ -113,6 +113,8 @@ class Producer:
 
             remaining = _ENDLESS if total is None else total - run.collected // c.frames_per_batch
             trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
+        if c.split_trajs:
+            from ._split import split_trajectories
         first_index = run.batches
         while self.rounds < remaining:
             if run.pending_error is not None and not self._deliverable():
@@ -172,7 +174,7 @@ class Producer:
             await self.drained.wait()  # every batch is in the replay buffer
         run.stop.set()  # total_frames reached: release the workers now
 
-    async def _deliver(self, batch: TensorDictBase, index: int, counted: list, infos: list, timing: dict) -> None:
+    async def _deliver(self, batch: "TensorDictBase", index: int, counted: list, infos: list, timing: dict) -> None:
         """Hooks, post-processing, pause, then into the stream (``counted``: the infos whose
         counters go with this delivery: a round's go with its first)."""
         run, c = self.run, self.run.config
@@ -191,11 +193,13 @@ class Producer:
         )
         await run.send.send((batch, counted, frames))
 
-    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> TensorDict:
+    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> "TensorDict":
         layout: SlotLayout = self.run.layout  # type: ignore[assignment]
         views = [w.slots.views[slot] for w, slot in parts]
 
-        def copy() -> TensorDict:
+        def copy() -> "TensorDict":
+            from tensordict import TensorDict
+
             flat: dict[Key, torch.Tensor] = {}
             for leaf in layout.leaves:
                 tensors = [v[leaf.key] for v in views]

@@ -15,14 +15,14 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import importlib
 import inspect
 import sys
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 import anyio
-from tensordict import TensorDict
 
 from . import events as ev
 from ._bus import EventBus
@@ -47,6 +47,10 @@ from ._stats import Stats
 from ._systask import spawn_system_task
 from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+
+
+if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see Run._run)
+    from tensordict import TensorDict
 
 
 class State(enum.Enum):
@@ -168,7 +172,7 @@ class Run:
             self.state = State.STARTING
             self.loop = loop_token()
             size = max(self.config.prefetch, 1)
-            self.send, self.recv = anyio.create_memory_object_stream[tuple[TensorDict, list, int]](size)
+            self.send, self.recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int]](size)
             self.started = anyio.Event()
             self.done = anyio.Event()
             self.stop = anyio.Event()
@@ -238,7 +242,7 @@ class Run:
                 pass
 
     # -- consuming ------------------------------------------------------------------------------
-    async def collect(self, *, drain: bool = False) -> TensorDict:
+    async def collect(self, *, drain: bool = False) -> "TensorDict":
         if self.state is State.CLOSED:
             raise CollectorClosedError("this collector is closed; create a new Collector")
         self.check_loop()
@@ -411,7 +415,13 @@ class Run:
             try:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
-                    await self._launch()
+                    async with anyio.create_task_group() as starting:
+                        # tensordict's import (seconds: it imports torch._dynamo) overlaps the
+                        # workers' start-up, in a thread so that the event loop keeps running
+                        # (torch's import code still holds the GIL for up to ~0.1 s at times)
+                        if "tensordict" not in sys.modules:
+                            starting.start_soon(anyio.to_thread.run_sync, importlib.import_module, "tensordict")
+                        await self._launch()
                     self.stats.start()
                     for w in self.workers:
                         await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)

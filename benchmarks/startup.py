@@ -1,0 +1,204 @@
+"""Start-up cost: what a user waits for, from process launch to the first batch.
+
+Every figure comes from fresh subprocesses (a new interpreter each time: nothing imported, no
+launcher running), ``--repeat`` runs each (default 5, interleaved), printed as the median
+[min - max]:
+
+* ``python -c pass``: the interpreter alone, for reference.
+* ``import aiocollect`` (lazy: loads no submodule), ``from aiocollect import Collector`` (loads the
+  collector and what it imports), ``import torch``, and ``import tensordict`` (torch included;
+  broken down into torch, the ``torch._dynamo`` that tensordict imports, and the rest). Timed in
+  the child around the statement.
+* **launch -> first batch**: a user's script run as ``python -c <script>``: ``import anyio``, ``from
+  aiocollect import Collector`` (and ``import torch`` and a 4-64-2 MLP acting by argmax, for the MLP
+  policy), then ``anyio.run`` of ``async with Collector("CartPole-v1", policy, frames_per_batch=2048,
+  num_workers=2, envs_per_worker=8)`` up to its first batch. Timed from just before this process
+  starts the child (so the interpreter's start is included) to the first batch in the child; the
+  breakdown shows when the child's imports were done and what ``Collector(...)`` -> first batch took
+  (the launcher's start, its imports, forking the workers, their envs' creation and first 2048
+  frames). The random policy's workers never import torch; the MLP's import it in the launcher.
+* **second collector**: in the same script, after the first collector closed, a second identical
+  one: ``Collector(...)`` -> first batch (the launcher is still there, workers are forks of it).
+
+Run (about a minute and a half; the machine's load matters: the min - max range shows the noise)::
+
+    .venv/bin/python benchmarks/startup.py [--repeat 5] [--json benchmarks/results/startup.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import become_subreaper, descendants, log, machine, machine_line, reap  # noqa: E402
+
+MARK = "@@startup "
+CLOCK = "time.clock_gettime(time.CLOCK_MONOTONIC)"  # system-wide: comparable across processes
+
+# (row, statements): each statement timed in one fresh child, in order
+IMPORTS: list[tuple[str, list[str]]] = [
+    ("python -c pass", []),
+    ("import aiocollect", ["import aiocollect"]),
+    ("from aiocollect import Collector", ["from aiocollect import Collector"]),
+    ("import torch", ["import torch"]),
+    ("import tensordict (torch included)", ["import torch", "import torch._dynamo", "import tensordict"]),
+]
+
+_POLICIES = {
+    "random": "policy = None\n",
+    "MLP": """\
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, obs):
+        return self.net(obs).argmax(-1)
+
+
+torch.manual_seed(0)
+policy = MLP()
+""",
+}
+
+USER_SCRIPT = """\
+import time
+t_up = {clock}
+import json
+import anyio
+from aiocollect import Collector
+{policy}t_ready = {clock}
+
+
+async def main():
+    out = {{}}
+    for key in ("first", "second"):
+        t0 = {clock}
+        async with Collector("CartPole-v1", policy, frames_per_batch=2048, num_workers=2,
+                             envs_per_worker=8) as collector:
+            async for batch in collector:
+                assert batch.numel() == 2048
+                out[key] = {clock} - t0
+                out[key + "_at"] = {clock}
+                break
+    return out
+
+
+out = anyio.run(main)
+print({mark!r} + json.dumps(dict(out, up_at=t_up, ready_at=t_ready)), flush=True)
+"""
+
+
+def _run_child(code: str) -> tuple[float, dict[str, Any]]:
+    """Run ``python -c code`` in a fresh process; (the launch time on CLOCK, its marked JSON)."""
+    baseline = frozenset(p.pid for p in descendants())
+    t_launch = time.clock_gettime(time.CLOCK_MONOTONIC)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    left = reap("a start-up child", keep=(), baseline=baseline)
+    if proc.returncode != 0 or left:
+        raise RuntimeError(f"child failed (exit {proc.returncode}, left {left}):\n{proc.stderr[-3000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if not lines:
+        raise RuntimeError(f"child printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return t_launch, json.loads(lines[-1][len(MARK):])
+
+
+def measure_imports(statements: list[str]) -> dict[str, float]:
+    """Seconds per statement (in one fresh child, in order) and from launch to the last one done."""
+    body = ["import time", "import json", f"_t = [{CLOCK}]"]
+    for stmt in statements:
+        body += [stmt, f"_t.append({CLOCK})"]
+    body.append(f"print({MARK!r} + json.dumps(_t), flush=True)")
+    t_launch, marks = _run_child("\n".join(body))
+    out = {"launch_to_done": marks[-1] - t_launch, "total": marks[-1] - marks[0]}
+    for i, stmt in enumerate(statements):
+        out[stmt] = marks[i + 1] - marks[i]
+    return out
+
+
+def measure_first_batch(policy: str) -> dict[str, float]:
+    code = USER_SCRIPT.format(clock=CLOCK, policy=_POLICIES[policy], mark=MARK)
+    t_launch, out = _run_child(code)
+    return {
+        "launch_to_first_batch": out["first_at"] - t_launch,
+        "python_up": out["up_at"] - t_launch,
+        "imports_done": out["ready_at"] - t_launch,
+        "collector_to_first_batch": out["first"],
+        "second_collector": out["second"],
+    }
+
+
+def _median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _span(runs: list[dict[str, float]], key: str) -> str:
+    values = [r[key] for r in runs]
+    return f"{statistics.median(values):6.2f} s  [{min(values):.2f} - {max(values):.2f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=5, help="fresh processes per figure (default 5)")
+    p.add_argument("--json", metavar="PATH", help="also write the raw figures there")
+    args = p.parse_args(argv)
+    become_subreaper()  # a launcher or worker a child leaves behind is reparented to us and seen
+
+    log(
+        f"aiocollect start-up benchmark: fresh subprocesses, median of {args.repeat} [min - max]; "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}"
+    )
+    log(machine_line(machine()))
+    load_start = os.getloadavg()[0]
+    imports: dict[str, list[dict[str, float]]] = {row: [] for row, _ in IMPORTS}
+    batches: dict[str, list[dict[str, float]]] = {name: [] for name in _POLICIES}
+    for i in range(args.repeat):  # interleaved, so that a change of the machine's load hits all rows
+        log(f"  round {i + 1}/{args.repeat} ...")
+        for row, statements in IMPORTS:
+            imports[row].append(measure_imports(statements))
+        for name in _POLICIES:
+            batches[name].append(measure_first_batch(name))
+
+    log("")
+    log(f"{'':<42}{'median':>8}    [min - max]")
+    for row, statements in IMPORTS:
+        runs = imports[row]
+        if not statements:
+            log(f"{'python up (launch -> first statement)':<42}{_span(runs, 'launch_to_done')}")
+            continue
+        log(f"{row:<42}{_span(runs, 'total')}")
+        if len(statements) > 1:
+            parts = ", then ".join(f"{s.removeprefix('import ')} {_median(runs, s):.2f} s" for s in statements)
+            log(f"{'':<44}in steps: {parts} (the rest)")
+    for name, runs in batches.items():
+        log(f"{f'launch -> first batch, {name} policy':<42}{_span(runs, 'launch_to_first_batch')}")
+        log(
+            f"{'':<44}python up {_median(runs, 'python_up'):.2f} s, imports (and policy) done "
+            f"{_median(runs, 'imports_done'):.2f} s, Collector() -> first batch "
+            f"{_median(runs, 'collector_to_first_batch'):.2f} s"
+        )
+    for name, runs in batches.items():
+        log(f"{f'second collector, same process, {name}':<42}{_span(runs, 'second_collector')}")
+    log(f"load average (1 min) at the start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}")
+
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "startup", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **machine(),
+                       "imports": imports, "first_batch": batches}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
