@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import anyio
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 
 class AsyncResource:
