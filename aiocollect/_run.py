@@ -330,8 +330,8 @@ class Run:
     async def update_weights(self, updates: Mapping[str, Any], worker_ids: Any, wait: bool) -> int:
         sync = self.sync
         sync.check_model_ids(updates)
-        if self.state is State.CREATED:
-            await self.start()
+        if self.state in (State.CREATED, State.STARTING):
+            await self.start()  # (a start cancelled earlier may still be under way: wait for it)
         self.check_loop()
         if self.state is State.CLOSED or self.closing:
             raise CollectorClosedError(f"update_weights() on a collector that is {self.state.value}; create a new Collector")
