@@ -134,6 +134,8 @@ class Collector(AsyncResource):
         update_at_each_batch: bool = False,
         trajs_per_batch: int | None = None,
         traj_format: str = "pad",
+        check_finite: bool = False,
+        action_bounds: str = "pass",
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -159,6 +161,8 @@ class Collector(AsyncResource):
             update_at_each_batch=update_at_each_batch,
             trajs_per_batch=trajs_per_batch,
             traj_format=traj_format,  # type: ignore[arg-type]
+            check_finite=check_finite,
+            action_bounds=action_bounds,  # type: ignore[arg-type]
         )
         self._state = State.CREATED
         self._launch_failed = False
@@ -750,6 +754,8 @@ class Collector(AsyncResource):
                 traj_counters=counters,
                 start_batch=self._batches if c.delivery == "sync" else 0,
                 profile=self._worker_profile(i),
+                check_finite=c.check_finite,
+                action_bounds=c.action_bounds,
             )
             for i in range(c.workers)
         ]
