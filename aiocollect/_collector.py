@@ -113,6 +113,8 @@ class Collector(AsyncResource):
         restart_window: float | None = 60.0,
         step_timeout: float | None = None,
         profile: ProfileConfig | None = None,
+        check_finite: bool = False,
+        action_bounds: str = "pass",
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -143,6 +145,8 @@ class Collector(AsyncResource):
             restart_window=restart_window,
             step_timeout=step_timeout,
             profile=profile,
+            check_finite=check_finite,
+            action_bounds=action_bounds,  # type: ignore[arg-type]
         )
         self._run = run = Run(self.config)
         self._portal = portal = _Portal(run)

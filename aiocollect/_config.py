@@ -8,6 +8,7 @@ import difflib
 import math
 from typing import Any, Callable, Literal, Sequence
 
+from ._checks import ACTION_BOUNDS, ActionBounds
 from ._errors import ConfigError
 from ._policy import EXPLORATION_TYPES
 
@@ -33,6 +34,17 @@ def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
         "; register it with gymnasium.register, or use 'module:EnvId' so that the module is imported first"
     )
     raise ConfigError(f"{argument}={env_id!r} is not a registered gymnasium env id{hint}")
+
+
+def check_data_options(check_finite: Any, action_bounds: Any) -> None:
+    """Validate the two data-check options (shared by the collector's and the evaluator's config)."""
+    if not isinstance(check_finite, bool):
+        raise ConfigError(f"check_finite={check_finite!r} must be True or False")
+    if action_bounds not in ACTION_BOUNDS:
+        raise ConfigError(
+            f"action_bounds={action_bounds!r} must be 'pass' (the env gets the policy's action as it is), "
+            f"'clip' (the env gets it clipped to the Box's bounds) or 'error' (SpecError)"
+        )
 
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
@@ -135,6 +147,13 @@ class CollectorConfig:
     declared hung (:class:`WorkerTimeoutError`, or a restart). ``None``: never."""
     profile: Any = None
     """A :class:`ProfileConfig`: profile from the start (same as :meth:`Collector.enable_profile`)."""
+    check_finite: bool = False
+    """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or a policy's action
+    (a vectorized check per step and key; off by default)."""
+    action_bounds: ActionBounds = "pass"
+    """A policy's action outside its Box space's bounds: ``"pass"`` gives it to the env as it is,
+    ``"clip"`` gives the env ``np.clip(action, low, high)`` (the batch keeps the policy's action),
+    ``"error"`` raises :class:`SpecError`. Random actions are never touched."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, int) and self.num_workers > 0:
@@ -220,6 +239,7 @@ class CollectorConfig:
                     "trajs_per_batch and split_trajs=True both reshape batches into trajectories; "
                     "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
                 )
+        check_data_options(self.check_finite, self.action_bounds)
         if self.traj_format not in ("pad", "cat"):
             raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' or 'cat'")
         if self.update_at_each_batch and self.policy is None:

@@ -32,10 +32,14 @@ class ConfigError(AiocollectError, ValueError):
 class SpecError(AiocollectError, ValueError):
     """Raised when data does not match what the env's spaces declare.
 
-    For example an observation whose shape is not the observation space's, a policy that writes
-    no ``"action"``, or an action of the wrong shape or dtype. Raised on the first step that
-    shows the mismatch, in the worker; it reaches the consumer as itself (not wrapped), with the
-    worker-side traceback attached as a note.
+    For example an observation whose shape is not the observation space's, a value of another
+    kind than its space's dtype (a float for an integer space, an integer for a float Box), an
+    integer that does not fit its dtype (300 for uint8), a reward that is not a real scalar, a
+    policy that writes no ``"action"``, or an action of the wrong shape or dtype; and when asked
+    for, NaN/inf (``check_finite=True``) or a Box action out of bounds
+    (``action_bounds="error"``). The message names the env, the key, the value and the space.
+    Raised on the first step that shows the mismatch, in the worker; it reaches the consumer as
+    itself (not wrapped), with the worker-side traceback attached as a note.
     """
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -30,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import ActionBounds, ActionGuard, check_reward, check_value, short
 from ._errors import SpecError
-from ._layout import action_leaves, check_value, flattener, observation_leaves
+from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
 from ._rollout import add_envs, close_envs
 from ._worker import Peer, _Stop, pack_exception
 
@@ -51,6 +53,8 @@ class EvalWorkerConfig:
     seed: int | None
     nice: int = 0
     registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
+    check_finite: bool = False
+    action_bounds: ActionBounds = "pass"
 
 
 class _Abort(Exception):
@@ -81,7 +85,11 @@ class EvalWorker(Peer):
         )
         self.obs_leaves = observation_leaves(self.obs_space)
         self.act_leaves = action_leaves(self.act_space)
+        self.obs_spaces = leaf_spaces(self.obs_space)
         self.flatten_obs = flattener(self.obs_space, "observation")
+        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
+        self.lengths: list[int] = []  # per episode of the evaluation in progress: steps so far
+        self.running: dict[int, int] = {}  # env -> its episode in the evaluation in progress
         self.obs = [np.zeros((cfg.num_envs,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         self.action_spaces = [copy.deepcopy(env.action_space) for env in self.envs]
 
@@ -101,6 +109,20 @@ class EvalWorker(Peer):
             if isinstance(self.root, torch.nn.Module):
                 self.root.eval()  # evaluation: dropout off, batch norm on its running statistics
         self.runner = self._build_runner()
+        self.guard: ActionGuard | None = None  # for a policy's actions (random ones need none)
+        if self.uses_torch:
+            from ._policy import EnvActions
+
+            env_actions = EnvActions(self.act_space, self.act_leaves)
+            guard = ActionGuard(
+                self.act_space,
+                self.act_leaves,
+                [f"eval env {i}" for i in range(cfg.num_envs)],
+                lambda arrays: env_actions.per_env(arrays, cfg.num_envs),
+                check_finite=cfg.check_finite,
+                action_bounds=cfg.action_bounds,
+            )
+            self.guard = guard if guard.active else None
         for i in range(cfg.num_envs):  # real observations to check the env and the policy with
             self._start_episode(i, i)
         self.runner.probe(self.obs)  # a policy that does not fit fails here, at start (RNG untouched)
@@ -172,12 +194,30 @@ class EvalWorker(Peer):
             self.action_spaces[i].seed(seed + episode)
         self._set_obs(i, obs)
 
+    def _when(self, i: int) -> str:
+        """When env ``i`` takes its next action, or got its reward (for messages)."""
+        episode = self.running[i]
+        return f"at step {self.lengths[episode] + 1} of episode {episode}"
+
+    def _obs_when(self, i: int) -> str:
+        episode = self.running.get(i)
+        if episode is None:
+            return "returned by reset"
+        return f"returned by step {self.lengths[episode]} of episode {episode}"
+
     def _set_obs(self, i: int, obs: Any) -> None:
+        what = f"eval env {i}'s observation"
         if len(self.obs_leaves) == 1:
-            self.obs[0][i] = check_value(obs, self.obs_leaves[0], f"eval env {i}'s observation")
-            return
-        for leaf, buf, value in zip(self.obs_leaves, self.obs, self.flatten_obs(obs)):
-            buf[i] = check_value(value, leaf, f"eval env {i}'s observation")
+            self.obs[0][i] = check_value(obs, self.obs_leaves[0], what, self.obs_spaces[0])
+        else:
+            for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, self.obs, self.flatten_obs(obs)):
+                buf[i] = check_value(value, leaf, what, space)
+        for k in self.finite_obs:
+            if not np.isfinite(self.obs[k][i]).all():
+                raise SpecError(
+                    f"{what} for key {'.'.join(self.obs_leaves[k].key)!r} {self._obs_when(i)} is "
+                    f"{short(self.obs[k][i])}: not finite (check_finite=True)"
+                )
 
     def evaluate(self, n: int) -> tuple[list[float], list[int]]:
         """Run ``n`` episodes; episode ``j`` starts with ``reset(seed=seed + j)`` on whichever env
@@ -188,23 +228,31 @@ class EvalWorker(Peer):
 
             torch.manual_seed(cfg.seed)
         returns = [0.0] * n
-        lengths = [0] * n
-        running: dict[int, int] = {}  # env -> episode
+        self.lengths = lengths = [0] * n
+        self.running = running = {}  # env -> episode
         started = 0
         for i in range(min(len(self.envs), n)):
             self._start_episode(i, started)
             running[i] = started
             started += 1
         max_steps = cfg.max_steps
+        guard = self.guard
         while running:
             self.tick()
-            actions = self.runner.act(self.obs)[0]
+            actions, arrays, _ = self.runner.act(self.obs)
+            if guard is not None:  # only the rows of envs that step: the others keep a stale obs
+                actions = guard.apply(arrays, actions, self._when, rows=list(running))
             for i, episode in list(running.items()):
                 obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
+                if not isinstance(reward, (float, int)):
+                    reward = check_reward(reward, f"eval env {i}'s reward {self._when(i)}")
+                if cfg.check_finite and not math.isfinite(reward):
+                    raise SpecError(f"eval env {i}'s reward {self._when(i)} is {reward!r}: not finite (check_finite=True)")
                 returns[episode] += float(reward)
                 lengths[episode] += 1
                 if terminated or truncated or (max_steps is not None and lengths[episode] >= max_steps):
                     if started < n:
+                        del running[i]  # the next observation comes from reset
                         self._start_episode(i, started)
                         running[i] = started
                         started += 1

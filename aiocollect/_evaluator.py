@@ -21,7 +21,8 @@ import anyio
 import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
-from ._config import _exploration_name, check_env_id, check_platform
+from ._checks import ActionBounds
+from ._config import _exploration_name, check_data_options, check_env_id, check_platform
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 from ._eval_worker import EvalWorkerConfig
 from ._registry import snapshot as snapshot_registry
@@ -123,6 +124,13 @@ class EvaluatorConfig:
     """Added to the worker process's niceness (0 to 19): a positive value lets the collector's
     workers and the training loop have the CPU first, at the price of slower evaluations on a
     busy machine."""
+    check_finite: bool = False
+    """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or the policy's action
+    (as :class:`~aiocollect.Collector`'s option of the same name)."""
+    action_bounds: ActionBounds = "pass"
+    """The policy's action outside its Box space's bounds: ``"pass"`` (as it is), ``"clip"`` (the
+    env gets it clipped) or ``"error"`` (:class:`SpecError`); give it the collector's setting, so
+    that evaluation acts as training did."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -166,6 +174,7 @@ class EvaluatorConfig:
         timeout = self.shutdown_timeout
         if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout >= 0 and math.isfinite(timeout)):
             raise ConfigError(f"shutdown_timeout={timeout!r} must be a finite number of seconds >= 0")
+        check_data_options(self.check_finite, self.action_bounds)
 
 
 def _in_event_loop() -> bool:
@@ -387,6 +396,8 @@ class Evaluator(AsyncResource):
         seed: int | None = None,
         shutdown_timeout: float = 5.0,
         nice: int = 0,
+        check_finite: bool = False,
+        action_bounds: str = "pass",
     ) -> None:
         import cloudpickle
 
@@ -406,6 +417,8 @@ class Evaluator(AsyncResource):
             seed=seed,
             shutdown_timeout=shutdown_timeout,
             nice=nice,
+            check_finite=check_finite,
+            action_bounds=action_bounds,  # type: ignore[arg-type]
         )
         if c.policy_factory is not None:
             mode, obj, kind = "factory", c.policy_factory, "factory"
@@ -437,6 +450,8 @@ class Evaluator(AsyncResource):
                 seed=c.seed,
                 nice=c.nice,
                 registry=registry,
+                check_finite=c.check_finite,
+                action_bounds=c.action_bounds,
             ))
         except Exception as exc:
             raise ConfigError(

@@ -7,6 +7,7 @@ Imported by worker processes: numpy and gymnasium only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -29,9 +30,9 @@ class Leaf:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
+        return np.dtype(self.dtype)  # cached: the per-step checks read it
 
 
 def _space_name(space: spaces.Space) -> str:
@@ -83,6 +84,15 @@ def observation_leaves(space: spaces.Space) -> list[Leaf]:
 
 def action_leaves(space: spaces.Space) -> list[Leaf]:
     return space_leaves(space, ("action",))
+
+
+def leaf_spaces(space: spaces.Space) -> list[spaces.Space]:
+    """The space of each leaf of ``space``, in the order of :func:`space_leaves`."""
+    if isinstance(space, spaces.Dict):
+        return [s for sub in space.spaces.values() for s in leaf_spaces(sub)]
+    if isinstance(space, spaces.Tuple):
+        return [s for sub in space.spaces for s in leaf_spaces(sub)]
+    return [space]
 
 
 def flattener(space: spaces.Space, what: str) -> Callable[[Any], list[Any]]:
@@ -146,25 +156,6 @@ def unflattener(space: spaces.Space) -> Callable[[list[Any]], Any]:
 
 def _first(values: list[Any]) -> Any:
     return values[0]
-
-
-def check_value(value: Any, leaf: Leaf, what: str) -> np.ndarray:
-    """Return ``value`` as an array of the leaf's shape, or raise a :class:`SpecError`."""
-    arr = np.asarray(value)
-    if arr.shape != leaf.shape:
-        raise SpecError(
-            f"{what} for key {'.'.join(leaf.key)!r} has shape {arr.shape}, but its space declares "
-            f"{leaf.shape}; fix the env (or wrap it) so that its values match its declared space"
-        )
-    want = leaf.np_dtype
-    if want.kind in "iub" and arr.dtype.kind == "f":
-        raise SpecError(
-            f"{what} for key {'.'.join(leaf.key)!r} has dtype {arr.dtype}, but its space holds "
-            f"integers ({want}); fix the env's dtype or its space"
-        )
-    if arr.dtype.kind not in "biuf":
-        raise SpecError(f"{what} for key {'.'.join(leaf.key)!r} has non-numeric dtype {arr.dtype}")
-    return arr
 
 
 # -- slots ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from gymnasium import spaces
 
+from ._checks import dtype_problem
 from ._errors import SpecError
 from ._layout import Key, Leaf, flattener, unflattener
 
@@ -173,6 +174,7 @@ class _TorchRunner:
         self.env_actions = EnvActions(act_space, act_leaves)
         self.extra_keys: list[Key] = []
         self.checked = False
+        self.act_dtypes: list[Any] = []  # torch dtypes of the first, checked actions
 
     def _check_action(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
         import torch
@@ -190,32 +192,56 @@ class _TorchRunner:
                 f"the policy wrote {'.'.join(key)!r} with shape {tuple(value.shape)} for {self.num_envs} envs, "
                 f"but the action space {self.act_space} needs shape {want} (dtype {leaf.dtype}){hint}"
             )
-        if leaf.np_dtype.kind in "iu" and (value.is_floating_point() or value.is_complex()):
-            raise SpecError(
-                f"the policy wrote {'.'.join(key)!r} with dtype {value.dtype}, but the action space "
-                f"{self.act_space} takes integers ({leaf.dtype}); return indices, e.g. logits.argmax(-1)"
-            )
-        return value.detach().cpu().numpy()
+        return self._to_numpy(key, value, leaf)
+
+    def _to_numpy(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
+        """``value`` (a tensor of the right shape) as a numpy array of the leaf's dtype: a float
+        of another width is rounded, an integer must fit; another kind is a :class:`SpecError`
+        (see :mod:`aiocollect._checks`)."""
+        arr = value.detach().cpu().numpy()
+        if arr.dtype == leaf.np_dtype:
+            return arr
+        problem = dtype_problem(arr, leaf.np_dtype, lambda: f"the action space {self.act_space}")
+        if problem is not None:
+            phrase, kind = problem
+            if kind == "range":
+                fix = "clip it in the policy, or give the action space a wider dtype"
+            elif leaf.np_dtype.kind in "iu":
+                fix = "return indices, e.g. logits.argmax(-1)"
+            elif leaf.np_dtype.kind == "f":
+                fix = (
+                    f"return floats, e.g. action.to(torch.{leaf.dtype}) (integer actions for a continuous "
+                    f"space usually mean a discrete policy head on a Box action space)"
+                )
+            else:
+                fix = f"return {leaf.dtype} values"
+            raise SpecError(f"the policy wrote {'.'.join(key)!r}, which {phrase}; {fix}")
+        return arr.astype(leaf.np_dtype)
+
+    def _missing_action(self, outputs: dict[Key, Any]) -> None:
+        for leaf in self.act_leaves:
+            if leaf.key not in outputs:
+                raise SpecError(
+                    f"the policy wrote no {'.'.join(leaf.key)!r}: it must write the action for "
+                    f"{self.act_space} (it wrote {sorted('.'.join(k) for k in outputs)})"
+                )
 
     def _convert(self, outputs: dict[Key, Any]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         if not self.checked:
-            arrays = []
-            for leaf in self.act_leaves:
-                if leaf.key not in outputs:
-                    raise SpecError(
-                        f"the policy wrote no {'.'.join(leaf.key)!r}: it must write the action for "
-                        f"{self.act_space} (it wrote {sorted('.'.join(k) for k in outputs)})"
-                    )
-                arrays.append(self._check_action(leaf.key, outputs[leaf.key], leaf))
+            self._missing_action(outputs)
+            arrays = [self._check_action(leaf.key, outputs[leaf.key], leaf) for leaf in self.act_leaves]
+            self.act_dtypes = [outputs[leaf.key].dtype for leaf in self.act_leaves]
             self.checked = True
         else:
             arrays = []
-            for leaf in self.act_leaves:
-                value = outputs[leaf.key]
-                if value.shape[0] != self.num_envs or value.dim() != 1 + len(leaf.shape):
-                    self._check_action(leaf.key, value, leaf)
-                arrays.append(value.detach().cpu().numpy())
-        arrays = [a.astype(leaf.np_dtype, copy=False) for a, leaf in zip(arrays, self.act_leaves)]
+            for leaf, dtype in zip(self.act_leaves, self.act_dtypes):
+                value = outputs.get(leaf.key)
+                if value is None:
+                    self._missing_action(outputs)
+                if value.dtype != dtype or value.shape[0] != self.num_envs or value.dim() != 1 + len(leaf.shape):
+                    arrays.append(self._check_action(leaf.key, value, leaf))
+                else:
+                    arrays.append(self._to_numpy(leaf.key, value, leaf))
         extras = [outputs[k].detach().cpu().numpy() for k in self.extra_keys]
         return self.env_actions.per_env(arrays, self.num_envs), arrays, extras
 
@@ -243,9 +269,7 @@ class _TorchRunner:
 
         with torch.random.fork_rng(devices=[]):
             outputs = self._forward(obs)
-        for leaf in self.act_leaves:
-            if leaf.key not in outputs:
-                self._convert(outputs)  # raises the missing-action error
+        self._missing_action(outputs)
         extras = self._extra_leaves(outputs)
         self._convert(outputs)
         return extras
@@ -296,7 +320,7 @@ class ModuleRunner(_TorchRunner):
             return self._convert(dict(zip(self.out_keys, out if isinstance(out, tuple) else (out,))))
         arr = out.numpy()
         if arr.dtype != self.want_dtype:
-            arr = self._check_action(("action",), out, self.act_leaves[0]).astype(self.want_dtype)
+            arr = self._check_action(("action",), out, self.act_leaves[0])
         return self.env_actions.per_env([arr], self.num_envs), [arr], []
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:

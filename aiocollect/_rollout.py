@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Iterator
 
 import gymnasium as gym
 import numpy as np
 
+from ._checks import ActionBounds, ActionGuard, check_reward, check_value, first_nonfinite, short
 from ._errors import SpecError
 from ._heartbeat import POLICY, RESET, STEP
-from ._layout import Key, Leaf, action_leaves, check_value, flattener, observation_leaves
-from ._policy import PolicySpec, RandomRunner, build_runner
+from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves
+from ._policy import EnvActions, PolicySpec, RandomRunner, build_runner
 from ._registry import install as install_registry
 
 
@@ -41,6 +43,8 @@ class RolloutConfig:
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
     restart: int = 0  # how many times this worker was replaced (seeds are derived from it)
     registry: tuple = ()  # _registry.snapshot() of the collector's process, installed before the envs are made
+    check_finite: bool = False  # SpecError on NaN/inf in observations, rewards and policy actions
+    action_bounds: ActionBounds = "pass"  # Box actions outside their bounds: "pass", "clip" or "error"
 
 
 def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
@@ -121,9 +125,14 @@ class Rollout:
         E = cfg.envs_per_worker
         self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
         self.act_leaves: list[Leaf] = action_leaves(self.act_space)
+        self.obs_spaces = leaf_spaces(self.obs_space)
         self.flatten_obs = flattener(self.obs_space, "observation")
         self.single_obs = len(self.obs_leaves) == 1
+        self.obs_dtype0 = self.obs_leaves[0].np_dtype
         self.env_ids = [cfg.worker * E + i for i in range(E)]
+        # float leaves to scan for NaN/inf after each step (integers cannot hold them)
+        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
+        self.steps = 0
 
         seeds = self._seeds()
         self.action_spaces = []
@@ -137,6 +146,16 @@ class Rollout:
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         self.ep_ret = [0.0] * E
         self.ep_len = [0] * E
+        env_actions = EnvActions(self.act_space, self.act_leaves)
+        guard = ActionGuard(
+            self.act_space,
+            self.act_leaves,
+            [f"env {g}" for g in self.env_ids],
+            lambda arrays: env_actions.per_env(arrays, E),
+            check_finite=cfg.check_finite,
+            action_bounds=cfg.action_bounds,
+        )
+        self.guard = guard if guard.active else None  # for the policy's actions, not random ones
         for i, (env, seed) in enumerate(zip(self.envs, seeds)):
             obs, _ = env.reset(seed=seed)
             self._set_obs(i, obs, checked=True)
@@ -158,7 +177,6 @@ class Rollout:
             cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, E, self.action_spaces, local_policy
         )
         self.extra_leaves = self.runner.probe(self.cur_obs)
-        self.steps = 0
         self.batches = 0
         self.heartbeat: Any = None  # a _heartbeat.Heartbeat when the collector watches for hangs
         model = getattr(self.runner, "model", None)
@@ -198,16 +216,50 @@ class Rollout:
         return None if self.weights is None else self.weights.apply()
 
     def _set_obs(self, i: int, obs: Any, checked: bool = False, into: list[np.ndarray] | None = None) -> None:
-        """Write env ``i``'s observation into row ``i`` of ``into`` (default: the carried obs)."""
+        """Write env ``i``'s observation (returned by ``reset``) into row ``i`` of ``into``
+        (default: the carried obs)."""
         bufs = self.cur_obs if into is None else into
+        what = f"env {self.env_ids[i]}'s observation"
         if self.single_obs:
             leaf = self.obs_leaves[0]
-            if checked or getattr(obs, "shape", None) != leaf.shape:
-                obs = check_value(obs, leaf, f"env {self.env_ids[i]}'s observation")
+            if checked or getattr(obs, "dtype", None) is not self.obs_dtype0 or obs.shape != leaf.shape:
+                obs = check_value(obs, leaf, what, self.obs_spaces[0])
             bufs[0][i] = obs
-            return
-        for leaf, buf, value in zip(self.obs_leaves, bufs, self.flatten_obs(obs)):
-            buf[i] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation")
+        else:
+            for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, bufs, self.flatten_obs(obs)):
+                buf[i] = check_value(value, leaf, what, space)
+        for k in self.finite_obs:
+            if not np.isfinite(bufs[k][i]).all():
+                self._nonfinite_obs(k, i, bufs[k][i], "returned by reset")
+
+    def _nonfinite_obs(self, k: int, i: int, value: np.ndarray, when: str) -> None:
+        leaf = self.obs_leaves[k]
+        raise SpecError(
+            f"env {self.env_ids[i]}'s observation for key {'.'.join(leaf.key)!r} {when} is "
+            f"{short(value)}: not finite (check_finite=True; a float64 value beyond the range of "
+            f"{leaf.dtype} is stored as inf too)"
+        )
+
+    def _step_text(self, i: int, taken: bool = False) -> str:
+        """Names env ``i``'s current step in messages: its number since the collector started and
+        in its episode, counted from 1 (``taken``: the episode's count already includes it)."""
+        return f"step {self.steps + 1} (step {self.ep_len[i] + (not taken)} of its episode)"
+
+    def _check_finite(self, next_bufs: list[np.ndarray], t: int, rewards: list[float]) -> None:
+        """check_finite: the observations and rewards of step ``t`` of this batch."""
+        for k in self.finite_obs:
+            row = first_nonfinite(next_bufs[k][:, t])
+            if row is not None:
+                self._nonfinite_obs(k, row, next_bufs[k][row, t], f"returned by {self._step_text(row, taken=True)}")
+        for i, reward in enumerate(rewards):
+            if not math.isfinite(reward):
+                raise SpecError(
+                    f"env {self.env_ids[i]}'s reward returned by {self._step_text(i, taken=True)} is "
+                    f"{reward!r}: not finite (check_finite=True)"
+                )
+
+    def _action_step(self, row: int) -> str:
+        return f"at {self._step_text(row)}"
 
     def _new_traj(self, i: int) -> None:
         self.traj_k[i] += 1
@@ -250,9 +302,11 @@ class Rollout:
         term_rows: list[list[bool]] = []
         trunc_rows: list[list[bool]] = []
         single = self.single_obs
-        leaf0 = self.obs_leaves[0]
+        leaf0, space0, dtype0 = self.obs_leaves[0], self.obs_spaces[0], self.obs_dtype0
         shape0 = leaf0.shape
         next0 = next_bufs[0]
+        guard = self.guard
+        check_finite = self.cfg.check_finite
         max_len = cfg.max_frames_per_traj
         episodes: list[EpisodeEnd] = []
         ep_ret, ep_len = self.ep_ret, self.ep_len
@@ -272,6 +326,8 @@ class Rollout:
             policy_time += t_env - t_policy
             for buf, arr in zip(act_bufs, act_arrays):
                 buf[:, t] = arr
+            if guard is not None and runner is not self.random_runner:
+                env_actions = guard.apply(act_arrays, env_actions, self._action_step)
             if extra_bufs:
                 if extras:
                     for buf, arr in zip(extra_bufs, extras):
@@ -288,12 +344,15 @@ class Rollout:
                     hb.begin(STEP, self.env_ids[i])
                 obs, reward, terminated, truncated, _ = envs[i].step(env_actions[i])
                 if single:
-                    if getattr(obs, "shape", None) != shape0:
-                        obs = check_value(obs, leaf0, f"env {self.env_ids[i]}'s observation")
+                    # the hot path: an array of the leaf's own dtype and shape is written as is
+                    if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
+                        obs = check_value(obs, leaf0, f"env {self.env_ids[i]}'s observation", space0)
                     next0[i, t] = obs
                 else:
-                    for leaf, buf, value in zip(self.obs_leaves, next_bufs, self.flatten_obs(obs)):
-                        buf[i, t] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation")
+                    for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, next_bufs, self.flatten_obs(obs)):
+                        buf[i, t] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation", space)
+                if not isinstance(reward, (float, int)):  # Python floats and ints, np.float64: no check
+                    reward = check_reward(reward, f"env {self.env_ids[i]}'s reward at {self._step_text(i)}")
                 rewards[i] = reward
                 ep_ret[i] += reward
                 ep_len[i] += 1
@@ -304,6 +363,8 @@ class Rollout:
                 if terminated or truncated:
                     episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
                     resets.append(i)
+            if check_finite:
+                self._check_finite(next_bufs, t, rewards)
             rew_rows.append(rewards)
             term_rows.append(terms)
             trunc_rows.append(truncs)

@@ -579,6 +579,8 @@ class Run:
                 reset_at_each_iter=c.reset_at_each_iter,
                 traj_counters=counters,
                 registry=registry,
+                check_finite=c.check_finite,
+                action_bounds=c.action_bounds,
             )
             for i in range(c.workers)
         ]
