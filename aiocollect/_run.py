@@ -18,11 +18,14 @@ import enum
 import importlib
 import inspect
 import sys
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from . import events as ev
 from ._bus import EventBus
@@ -82,6 +85,34 @@ def loop_token() -> Any:
         except RuntimeError:
             pass
     return None
+
+
+async def _import_in_thread(module: str) -> None:
+    """Import ``module`` in a thread of its own that ends with the import, while the event loop
+    keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
+    start; torch's import code still holds the GIL for up to ~0.1 s at times. (Not anyio's thread
+    pool: its idle thread would outlive the collector by seconds.)"""
+    done = anyio.Event()
+    token = anyio.lowlevel.current_token()
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop below
+            failure.append(exc)
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
+            pass
+
+    thread = threading.Thread(target=target, name=f"aiocollect import {module}", daemon=True)
+    thread.start()
+    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
+        await done.wait()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 class Run:
@@ -416,11 +447,8 @@ class Run:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
                     async with anyio.create_task_group() as starting:
-                        # tensordict's import (seconds: it imports torch._dynamo) overlaps the
-                        # workers' start-up, in a thread so that the event loop keeps running
-                        # (torch's import code still holds the GIL for up to ~0.1 s at times)
                         if "tensordict" not in sys.modules:
-                            starting.start_soon(anyio.to_thread.run_sync, importlib.import_module, "tensordict")
+                            starting.start_soon(_import_in_thread, "tensordict")
                         await self._launch()
                     self.stats.start()
                     for w in self.workers:

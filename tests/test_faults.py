@@ -139,11 +139,6 @@ async def test_observation_of_the_wrong_shape_is_a_spec_error_naming_key_and_sha
     assert any(f"worker 0 (pid {err.pid})" in note for note in err.__notes__)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the observations of steps are not checked for their dtype yet when their shape is "
-    "right (data-checks branch: another kind of dtype is a SpecError); remove this mark with it",
-)
 async def test_observation_of_the_wrong_dtype_is_a_spec_error_naming_key_and_dtype():
     """An int64 observation for a float32 space (another kind of number) at the 5th step."""
     err = await _fault(SpecError, {"wrong_dtype_at_step": 5})
