@@ -83,9 +83,6 @@ class Producer:
             return all(w.ready for w in self.run.workers)
         return bool(self.arrivals)
 
-    async def _raise_failure(self) -> None:
-        raise self.run.pending_error  # type: ignore[misc]
-
     async def _wait(self, cond: Callable[[], bool], remaining: int) -> None:
         run = self.run
         while True:
@@ -96,7 +93,7 @@ class Producer:
             if cond():
                 return
             if run.pending_error is not None and not self._deliverable():
-                await self._raise_failure()
+                raise run.pending_error
             await self.wakeup.wait()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -118,7 +115,7 @@ class Producer:
         first_index = run.batches
         while self.rounds < remaining:
             if run.pending_error is not None and not self._deliverable():
-                await self._raise_failure()
+                raise run.pending_error
             index = first_index + self.produced
             if c.update_at_each_batch and run.sync.can_pull and not sync:
                 await run.sync.publish({"policy": None}, list(range(c.workers)))

@@ -32,12 +32,10 @@ from ._bus import EventBus
 from ._config import CollectorConfig
 from ._errors import (
     AiocollectError,
-    BrokenWorkerError,
     CollectorClosedError,
     ConfigError,
     EndOfCollection,
     SpecError,
-    WorkerError,
 )
 from ._launcher import get_launcher
 from ._layout import SlotLayout, frame_leaves
@@ -688,9 +686,9 @@ class Run:
         while True:
             await anyio.sleep(period)
             for w in self.workers:
-                stuck = w.stuck(timeout)  # type: ignore[attr-defined]
+                stuck = w.stuck(timeout)
                 if stuck is not None:
-                    await w.declare_hung(*stuck, timeout)  # type: ignore[attr-defined]
+                    await w.declare_hung(*stuck, timeout)
 
 
 __all__ = ["Run", "State", "loop_token"]

@@ -104,6 +104,13 @@ class WorkerHandle:
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
         raise NotImplementedError
 
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``."""
+        return None
+
+    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
+        raise NotImplementedError
+
     async def stop(self, timeout: float) -> None:
         raise NotImplementedError
 

@@ -11,8 +11,11 @@ who caused it, with a message that names the cause, and leaves nothing of ours b
 
 After each, the worker process is gone and this process has the same file descriptors, the same
 "aiocollect" memory mappings (memfd slots) and the same threads as before (the autouse fixture
-in conftest checks worker pids and shared memory too). Hangs (``step_timeout``) and NaN checks
-(``check_finite``) are not collector features yet: their envs exist, their tests come with them.
+in conftest checks worker pids and shared memory too).
+
+- a hang (an env step that never returns) with ``step_timeout``: :class:`WorkerTimeoutError`
+  naming the worker, the env and where it hung;
+- NaN in an observation or an action with ``check_finite=True``: :class:`SpecError` naming it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 import anyio
 import pytest
 
-from aiocollect import BrokenWorkerError, Collector, SpecError, WorkerError
+from aiocollect import BrokenWorkerError, Collector, SpecError, WorkerError, WorkerTimeoutError
 from aiocollect._launcher import get_launcher
 from aiocollect.testing import CountingEnv, FaultyPolicy, InjectedFailure
 from procs import alive
@@ -50,7 +53,7 @@ def _ours() -> dict:
     return {"fds": fds, "maps": maps, "threads": sorted(t.name for t in threading.enumerate())}
 
 
-async def _fault(expected: type[BaseException], env_kwargs: dict | None = None, policy=None) -> BaseException:
+async def _fault(expected: type[BaseException], env_kwargs: dict | None = None, policy=None, **options) -> BaseException:
     """Collect from CountingEnv(**env_kwargs) with ``policy`` until the fault surfaces; check it
     has type ``expected`` exactly and that nothing is left behind; return it."""
     gc.collect()
@@ -64,6 +67,7 @@ async def _fault(expected: type[BaseException], env_kwargs: dict | None = None, 
             total_frames=32,
             num_workers=1,
             create_env_kwargs={"episode_length": 3, **(env_kwargs or {})},
+            **options,
         ) as collector:
             pids += collector.worker_pids
             with anyio.fail_after(30):
@@ -151,3 +155,47 @@ async def test_action_of_the_wrong_shape_is_a_spec_error_naming_key_and_shapes()
     err = await _fault(SpecError, policy=FaultyPolicy("wrong_shape", at_call=3))
     msg = str(err)
     assert "'action'" in msg and "(1, 3)" in msg and "(1,)" in msg, msg
+
+
+# ---- a hang: WorkerTimeoutError -----------------------------------------------------------------
+
+
+async def test_env_hanging_in_step_is_a_worker_timeout_error_naming_env_and_stack():
+    """With step_timeout=0.5, an env whose 5th step never returns: WorkerTimeoutError naming the
+    worker, the env, what it did, and its stack (the env's own hanging frame)."""
+    err = await _fault(WorkerTimeoutError, {"hang_at_step": 5}, step_timeout=0.5)
+    assert err.worker == 0 and err.env == 0 and err.doing == "env 0's step()"
+    msg = str(err)
+    assert f"worker 0 (pid {err.pid}) is hung" in msg and "in _hang" in msg, msg
+
+
+async def test_env_hanging_in_reset_is_a_worker_timeout_error():
+    err = await _fault(WorkerTimeoutError, {"hang_on_reset": 2}, step_timeout=0.5)
+    assert err.doing == "env 0's reset()", err.doing
+
+
+# ---- NaN: SpecError with check_finite ----------------------------------------------------------
+
+
+async def test_nan_observation_with_check_finite_is_a_spec_error_naming_it():
+    err = await _fault(SpecError, {"nan_at_step": 5}, check_finite=True)
+    msg = str(err)
+    assert "'observation'" in msg and "nan" in msg.lower(), msg
+
+
+async def test_nan_action_with_check_finite_is_a_spec_error_naming_it():
+    """A policy returning NaN for a Box action: SpecError with check_finite=True."""
+    import gymnasium as gym
+    import torch
+
+    from aiocollect.testing import SpacesEnv
+
+    with pytest.raises(SpecError, match="(?i)nan"):
+        async with Collector(
+            SpacesEnv, FaultyPolicy("nan", at_call=3, action_shape=(2,), dtype=torch.float32), frames_per_batch=8, num_workers=1,
+            check_finite=True,
+            create_env_kwargs={"observation_space": gym.spaces.Box(-1, 1, (3,)), "action_space": gym.spaces.Box(-1, 1, (2,))},
+        ) as collector:
+            with anyio.fail_after(30):
+                async for _ in collector:
+                    pass
