@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import enum
 import importlib
 import inspect
 import sys
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 import anyio
@@ -45,6 +43,7 @@ from ._profiling import ProfileConfig, Recorder
 from ._resource import unwrap_group
 from ._rollout import RolloutConfig
 from ._stats import Stats
+from ._supervisor import RestartBudget, supervise, watchdog
 from ._systask import spawn_system_task
 from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
@@ -155,7 +154,7 @@ class Run:
         self.resume = anyio.Event()
         self.resume.set()
         self.writing: anyio.Event | None = None  # set when a write into the sink ends
-        self.restart_times: deque[float] = deque()
+        self.budget = RestartBudget(c.max_restarts, c.restart_window)
         self.task: Any = None
         self.loop: Any = None
         self.producer: Producer | None = None
@@ -461,12 +460,12 @@ class Run:
                     self.state = State.RUNNING
                     self.started.set()
                     for w in self.workers:
-                        tg.start_soon(self._supervise, w)
+                        tg.start_soon(supervise, self, w)
                     tg.start_soon(self.producer.produce)  # type: ignore[union-attr]
                     if self.sink is not None:
                         tg.start_soon(self._drain_into_sink)
                     if self.config.step_timeout is not None:
-                        tg.start_soon(self._watchdog, self.config.step_timeout)
+                        tg.start_soon(watchdog, self, self.config.step_timeout)
                     await self.stop.wait()
                     tg.cancel_scope.cancel()
             except cancelled:
@@ -611,84 +610,12 @@ class Run:
             for i in range(c.workers)
         ]
 
-    # -- failures: report, or replace the worker --------------------------------------------------
-    async def _supervise(self, w: WorkerHandle) -> None:
-        """Handle worker ``w``'s reports; when it fails, replace it (``on_worker_failure=
-        "restart"``, within the restart budget) or report the failure to the consumer."""
-        while True:
-            error = await w.serve(self.wake, self.sync.on_applied)
-            while True:
-                old_pid = w.pid
-                index = getattr(error, "worker", w.index)
-                await self.emit(ev.WorkerFailed, worker=-1 if index is None else index, pid=old_pid, error=error)
-                if not self._may_restart(error):
-                    self.worker_failed(error)
-                    return
-                try:
-                    await w.replace(self._replacement_config(w))
-                except Exception as exc:  # noqa: BLE001 - the replacement failed too: counted the same
-                    error = exc
-                    continue
-                break
-            self.stats.restarts += 1
-            await self.emit(ev.WorkerRestarted, worker=w.index, pid=w.pid, old_pid=old_pid)
-            self.wake()
-
-    def _may_restart(self, error: BaseException) -> bool:
-        c = self.config
-        if c.on_worker_failure != "restart" or self.closing or self.finished:
-            return False
-        now = time.monotonic()
-        times = self.restart_times
-        if c.restart_window is not None:
-            while times and now - times[0] > c.restart_window:
-                times.popleft()
-        if len(times) >= c.max_restarts:
-            window = "" if c.restart_window is None else f" within restart_window={c.restart_window:g} s"
-            from ._child import add_note
-
-            add_note(
-                error,
-                f"aiocollect gave up replacing failed workers: max_restarts={c.max_restarts} restarts{window} "
-                f"were used. Fix the cause, or raise max_restarts",
-            )
-            return False
-        times.append(now)
-        return True
-
-    def _replacement_config(self, w: WorkerHandle) -> RolloutConfig:
-        """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories
-        its failure cut end there), the random steps it still owes, derived seeds."""
-        c = self.config
-        cfg = self.configs[w.index]
-        counters = list(cfg.traj_counters or [0] * c.total_envs)
-        base = w.index * c.envs_per_worker
-        last = w.counters if w.counters is not None else counters[base : base + c.envs_per_worker]
-        counters[base : base + c.envs_per_worker] = [k + 1 for k in last]
-        cfg = dataclasses.replace(
-            cfg,
-            traj_counters=tuple(counters),
-            random_steps=max(cfg.random_steps - w.completed * c.frames_per_env, 0),
-            restart=w.restarts + 1,
-        )
-        return cfg
-
     def worker_failed(self, error: BaseException) -> None:
         """A worker raised or died for good: batches it completed before are still delivered
         (the producer drains them), then the error ends the run."""
         if self.pending_error is None:
             self.pending_error = error
         self.wake()
-
-    async def _watchdog(self, timeout: float) -> None:
-        """Declare hung the workers that spend longer than ``timeout`` in one call."""
-        period = min(max(timeout / 4, 0.01), 1.0)
-        while True:
-            await anyio.sleep(period)
-            for w in self.workers:
-                stuck = w.stuck(timeout)
-                if stuck is not None:
-                    await w.declare_hung(*stuck, timeout)
 
 
 __all__ = ["Run", "State", "loop_token"]
