@@ -6,11 +6,16 @@ socket with small messages (:mod:`aiocollect._wire`); weights arrive as a state 
 the ``evaluate`` message. Protocol (``P`` parent, ``W`` worker)::
 
     W: ("hello", pid)
-    P: ("config", cloudpickle(EvalWorkerConfig))
+    P: ("config", cloudpickle(EvalWorkerConfig))   + fd, with a step_timeout: the heartbeat's memfd
     W: ("ready",)                        or ("error", packed exception, traceback): it then exits
     P: ("evaluate", id, weights, n)      weights: None or (kind, {name: tensor})
     W: ("result", id, returns, lengths)  or ("failed", id, packed exception, traceback)
     P: ("abort", id)                     the caller gave up: W answers ("aborted", id)
+
+With a ``step_timeout`` the worker keeps a heartbeat (:mod:`aiocollect._heartbeat`) in the memfd
+sent with the config: before each env reset, env step and policy call of an evaluation, and idle
+otherwise (while it starts, loads weights or waits for the next request); ``SIGUSR1`` makes
+:mod:`faulthandler` write its stack there.
 
 An evaluation that fails leaves the worker usable (the next one resets every env). The worker
 exits when the parent's end of the socket closes (``shutdown(SHUT_WR)`` is how the evaluator asks
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import mmap
 import os
 import socket
 import sys
@@ -30,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _heartbeat
 from ._errors import SpecError
 from ._layout import action_leaves, check_value, flattener, observation_leaves
 from ._rollout import add_envs, close_envs
@@ -62,6 +69,7 @@ class EvalWorker(Peer):
         super().__init__(sock)
         self.envs: list[Any] = []
         self.current: int | None = None  # id of the evaluation in progress
+        self.hb: _heartbeat.Heartbeat | None = None  # with a step_timeout
 
     def handle(self, msg: Any, fds: list[int]) -> None:
         """A message between steps (see :meth:`Peer.tick`): only an abort of the evaluation in
@@ -167,6 +175,8 @@ class EvalWorker(Peer):
     # -- episodes ---------------------------------------------------------------------------------
     def _start_episode(self, i: int, episode: int) -> None:
         seed = self.cfg.seed
+        if self.hb is not None:
+            self.hb.begin(_heartbeat.RESET, i)
         obs, _ = self.envs[i].reset(seed=None if seed is None else seed + episode)
         if seed is not None and not self.uses_torch:
             self.action_spaces[i].seed(seed + episode)
@@ -181,7 +191,15 @@ class EvalWorker(Peer):
 
     def evaluate(self, n: int) -> tuple[list[float], list[int]]:
         """Run ``n`` episodes; episode ``j`` starts with ``reset(seed=seed + j)`` on whichever env
-        is free, so the results do not depend on the number of envs."""
+        is free, so the results do not depend on the number of envs. The heartbeat is idle again
+        when it returns or raises (before the parent hears of it)."""
+        try:
+            return self._episodes(n)
+        finally:
+            if self.hb is not None:
+                self.hb.idle()
+
+    def _episodes(self, n: int) -> tuple[list[float], list[int]]:
         cfg = self.cfg
         if self.uses_torch and cfg.seed is not None:
             import torch
@@ -196,10 +214,15 @@ class EvalWorker(Peer):
             running[i] = started
             started += 1
         max_steps = cfg.max_steps
+        hb = self.hb
         while running:
             self.tick()
+            if hb is not None:
+                hb.begin(_heartbeat.POLICY)
             actions = self.runner.act(self.obs)[0]
             for i, episode in list(running.items()):
+                if hb is not None:
+                    hb.begin(_heartbeat.STEP, i)
                 obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
                 returns[episode] += float(reward)
                 lengths[episode] += 1
@@ -219,8 +242,14 @@ class EvalWorker(Peer):
         import cloudpickle
 
         self.send(("hello", os.getpid()))
-        msg = self.recv()[0]
-        self.setup(cloudpickle.loads(msg[1]))
+        msg, fds = self.recv()
+        try:
+            self.setup(cloudpickle.loads(msg[1]))
+            if fds:  # a step_timeout: from now on (start-up is not watched)
+                self.hb = _heartbeat.install(mmap.mmap(fds[0], _heartbeat.NBYTES), fds[0], 0)
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.send(("ready",))
         while True:
             msg = self.recv()[0]
