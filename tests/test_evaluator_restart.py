@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import anyio
 import pytest
@@ -39,6 +40,21 @@ class Greedy(torch.nn.Module):
 
     def forward(self, observation):
         return self.net(observation).argmax(-1)
+
+
+class HangingPolicy(torch.nn.Module):
+    """Action 0, except that its ``hang_at``-th call (the first is the start-up check) never returns."""
+
+    def __init__(self, hang_at: int) -> None:
+        super().__init__()
+        self.hang_at = hang_at
+        self.calls = 0
+
+    def forward(self, observation):
+        self.calls += 1
+        while self.calls == self.hang_at:
+            time.sleep(1.0)
+        return torch.zeros(observation.shape[0], dtype=torch.int64)
 
 
 def faulty_in_first_process(flag: str, faulty: dict, healthy: dict, index: int = 0):
@@ -138,6 +154,19 @@ async def test_a_hung_env_fails_the_evaluation_with_worker_timeout_error_naming_
             assert metrics["episode_length_mean"] == 5
             assert ev.worker_pid not in (None, pid) and not alive(pid)
     assert len(events) == 1 and ev.restarts == 0
+
+
+async def test_a_hung_policy_is_named_as_the_policys_forward_pass():
+    """A policy call that never returns: WorkerTimeoutError says it was the policy's forward
+    pass (no env), with the policy's frame in the stack."""
+    with anyio.fail_after(60):
+        async with Evaluator(healthy(obs_shape=(4,)), HangingPolicy(hang_at=3), num_trajectories=1,
+                             step_timeout=0.5) as ev:
+            with pytest.raises(WorkerTimeoutError) as info:
+                await ev.evaluate()
+    err = info.value
+    assert err.env is None and err.doing == "the policy's forward pass"
+    assert "the policy's forward pass has not returned" in str(err) and "in forward" in str(err)
 
 
 async def test_an_idle_evaluator_or_a_long_evaluation_of_short_steps_is_never_hung():
