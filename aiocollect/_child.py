@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from . import _wire
-from ._errors import AiocollectError, BrokenWorkerError, WorkerError
+from . import _heartbeat, _wire
+from ._errors import AiocollectError, BrokenWorkerError, WorkerError, WorkerTimeoutError
 
 #: pids of every child process started by this process (tests check that they are all gone).
 started_pids: list[int] = []
@@ -54,7 +54,8 @@ def worker_error(
 
 
 class ChildProcess:
-    """One child process: send and receive messages, learn its pid, stop or kill it.
+    """One child process: send and receive messages, learn its pid, stop or kill it, take its
+    stack when it is hung (:meth:`hung_error`).
 
     ``index`` is the worker index reported in errors (``None`` for the evaluator's worker);
     ``who`` names it in messages (``"worker 0"``), ``after_death`` says what happens next when
@@ -242,6 +243,33 @@ class ChildProcess:
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
+
+    async def hung_error(
+        self, monitor: _heartbeat.HeartbeatMonitor, what: int, env: int, seconds: float, timeout: float
+    ) -> WorkerTimeoutError:
+        """The error for this child, busy with one call for ``seconds`` (``what``, ``env``: as
+        :meth:`HeartbeatMonitor.stuck <aiocollect._heartbeat.HeartbeatMonitor.stuck>` says), with
+        its Python stack: :mod:`faulthandler` in the child writes it into ``monitor``'s dump area
+        on ``SIGUSR1``, read here until it stops growing (1 s at most). The caller kills the child."""
+        self.signal(signal.SIGUSR1)
+        stack = ""
+        with anyio.move_on_after(1.0):
+            while True:  # until the dump stops growing
+                await anyio.sleep(0.05)
+                now = monitor.stack_dump()
+                if now and now == stack:
+                    break
+                stack = now
+        doing = _heartbeat.describe(what, env)
+        return WorkerTimeoutError(
+            f"{self.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout="
+            f"{timeout:g}). It was killed. Its stack when it was declared hung:\n{stack or '(not available)'}"
+            f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
+            f"on_worker_failure='restart' to replace hung workers and go on",
+            worker=self.index,
+            env=env if what != _heartbeat.POLICY else None,
+            doing=doing,
+        )
 
     def close_fds(self) -> None:
         self.sock.close()

@@ -6,11 +6,16 @@ socket with small messages (:mod:`aiocollect._wire`); weights arrive as a state 
 the ``evaluate`` message. Protocol (``P`` parent, ``W`` worker)::
 
     W: ("hello", pid)
-    P: ("config", cloudpickle(EvalWorkerConfig))
+    P: ("config", cloudpickle(EvalWorkerConfig))   + fd, with a step_timeout: the heartbeat's memfd
     W: ("ready",)                        or ("error", packed exception, traceback): it then exits
     P: ("evaluate", id, weights, n)      weights: None or (kind, {name: tensor})
     W: ("result", id, returns, lengths)  or ("failed", id, packed exception, traceback)
     P: ("abort", id)                     the caller gave up: W answers ("aborted", id)
+
+With a ``step_timeout`` the worker keeps a heartbeat (:mod:`aiocollect._heartbeat`) in the memfd
+sent with the config: before each env reset, env step and policy call of an evaluation, and idle
+otherwise (while it starts, loads weights or waits for the next request); ``SIGUSR1`` makes
+:mod:`faulthandler` write its stack there.
 
 An evaluation that fails leaves the worker usable (the next one resets every env). The worker
 exits when the parent's end of the socket closes (``shutdown(SHUT_WR)`` is how the evaluator asks
@@ -23,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import mmap
 import os
 import socket
 import sys
@@ -32,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import ActionBounds, ActionGuard, check_reward, check_value, short
+from . import _heartbeat
 from ._errors import SpecError
 from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
 from ._rollout import add_envs, close_envs
@@ -66,6 +73,7 @@ class EvalWorker(Peer):
         super().__init__(sock)
         self.envs: list[Any] = []
         self.current: int | None = None  # id of the evaluation in progress
+        self.hb: _heartbeat.Heartbeat | None = None  # with a step_timeout
 
     def handle(self, msg: Any, fds: list[int]) -> None:
         """A message between steps (see :meth:`Peer.tick`): only an abort of the evaluation in
@@ -189,6 +197,8 @@ class EvalWorker(Peer):
     # -- episodes ---------------------------------------------------------------------------------
     def _start_episode(self, i: int, episode: int) -> None:
         seed = self.cfg.seed
+        if self.hb is not None:
+            self.hb.begin(_heartbeat.RESET, i)
         obs, _ = self.envs[i].reset(seed=None if seed is None else seed + episode)
         if seed is not None and not self.uses_torch:
             self.action_spaces[i].seed(seed + episode)
@@ -221,7 +231,15 @@ class EvalWorker(Peer):
 
     def evaluate(self, n: int) -> tuple[list[float], list[int]]:
         """Run ``n`` episodes; episode ``j`` starts with ``reset(seed=seed + j)`` on whichever env
-        is free, so the results do not depend on the number of envs."""
+        is free, so the results do not depend on the number of envs. The heartbeat is idle again
+        when it returns or raises (before the parent hears of it)."""
+        try:
+            return self._episodes(n)
+        finally:
+            if self.hb is not None:
+                self.hb.idle()
+
+    def _episodes(self, n: int) -> tuple[list[float], list[int]]:
         cfg = self.cfg
         if self.uses_torch and cfg.seed is not None:
             import torch
@@ -237,12 +255,17 @@ class EvalWorker(Peer):
             started += 1
         max_steps = cfg.max_steps
         guard = self.guard
+        hb = self.hb
         while running:
             self.tick()
+            if hb is not None:
+                hb.begin(_heartbeat.POLICY)
             actions, arrays, _ = self.runner.act(self.obs)
             if guard is not None:  # only the rows of envs that step: the others keep a stale obs
                 actions = guard.apply(arrays, actions, self._when, rows=list(running))
             for i, episode in list(running.items()):
+                if hb is not None:
+                    hb.begin(_heartbeat.STEP, i)
                 obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
                 if not isinstance(reward, (float, int)):
                     reward = check_reward(reward, f"eval env {i}'s reward {self._when(i)}")
@@ -267,8 +290,14 @@ class EvalWorker(Peer):
         import cloudpickle
 
         self.send(("hello", os.getpid()))
-        msg = self.recv()[0]
-        self.setup(cloudpickle.loads(msg[1]))
+        msg, fds = self.recv()
+        try:
+            self.setup(cloudpickle.loads(msg[1]))
+            if fds:  # a step_timeout: from now on (start-up is not watched)
+                self.hb = _heartbeat.install(mmap.mmap(fds[0], _heartbeat.NBYTES), fds[0], 0)
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.send(("ready",))
         while True:
             msg = self.recv()[0]

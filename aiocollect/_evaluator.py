@@ -10,6 +10,7 @@ import enum
 import inspect
 import itertools
 import math
+import os
 import socket
 import sys
 import time
@@ -21,17 +22,19 @@ import anyio
 import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
+from . import _heartbeat, _shm
 from ._checks import ActionBounds
-from ._config import _exploration_name, check_data_options, check_env_id, check_platform
-from ._errors import AiocollectError, BrokenWorkerError, ConfigError
+from ._config import _exploration_name, _positive_seconds, check_data_options, check_env_id, check_platform
+from ._errors import AiocollectError, BrokenWorkerError, ConfigError, WorkerError
 from ._eval_worker import EvalWorkerConfig
 from ._registry import snapshot as snapshot_registry
 from ._launcher import get_launcher
 from ._policy import PolicySpec, classify
+from ._supervisor import RestartBudget
 from ._systask import spawn_system_task
 from ._resource import AsyncResource, unwrap_group as _unwrap
 from ._child import ChildProcess, add_note
-from .events import Event, EvaluationCompleted, EvaluationFailed
+from .events import Event, EvaluationCompleted, EvaluationFailed, WorkerFailed, WorkerRestarted
 
 __all__ = [
     "Evaluator",
@@ -131,6 +134,20 @@ class EvaluatorConfig:
     """The policy's action outside its Box space's bounds: ``"pass"`` (as it is), ``"clip"`` (the
     env gets it clipped) or ``"error"`` (:class:`SpecError`); give it the collector's setting, so
     that evaluation acts as training did."""
+    on_worker_failure: Literal["raise", "restart"] = "raise"
+    """What the worker's death, crash or hang during an evaluation does: ``"raise"`` fails that
+    evaluation; ``"restart"`` runs it again from its start on a new worker (at most
+    ``max_restarts`` times within ``restart_window`` seconds). An env's or policy's exception is
+    not a worker failure: it fails its evaluation either way."""
+    max_restarts: int = 3
+    """With ``on_worker_failure="restart"``: new workers allowed within ``restart_window``; the
+    next failure is raised."""
+    restart_window: float | None = 60.0
+    """Seconds over which ``max_restarts`` counts (``None``: the evaluator's whole life)."""
+    step_timeout: float | None = None
+    """Seconds the worker may spend in one env ``step``/``reset`` or one policy call of an
+    evaluation before it is declared hung and killed (:class:`WorkerTimeoutError`, or a restart).
+    ``None``: never."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -175,6 +192,16 @@ class EvaluatorConfig:
         if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout >= 0 and math.isfinite(timeout)):
             raise ConfigError(f"shutdown_timeout={timeout!r} must be a finite number of seconds >= 0")
         check_data_options(self.check_finite, self.action_bounds)
+        if self.on_worker_failure not in ("raise", "restart"):
+            raise ConfigError(
+                f"on_worker_failure={self.on_worker_failure!r} must be 'raise' (fail the evaluation) or 'restart' "
+                f"(run it again on a new worker)"
+            )
+        _int_at_least("max_restarts", self.max_restarts, 0, "it bounds the new workers within restart_window")
+        if self.restart_window is not None:
+            _positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
+        if self.step_timeout is not None:
+            _positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
 
 
 def _in_event_loop() -> bool:
@@ -236,18 +263,34 @@ def _weights_payload(weights: Any) -> tuple[str, dict] | None:
 
 class _EvalProcess(ChildProcess):
     """The evaluator's worker process, whose messages are read by one task (:meth:`read`) so
-    that its death is noticed at once, even between evaluations."""
+    that its death is noticed at once, even between evaluations; with a ``step_timeout``, its
+    heartbeat (:meth:`watch`)."""
 
-    def __init__(self, sock: socket.socket, **_: Any) -> None:
-        super().__init__(
-            sock, index=None, who="the evaluator's worker", after_death="; the next evaluation starts a new worker"
-        )
+    def __init__(self, sock: socket.socket, *, after_death: str, **_: Any) -> None:
+        super().__init__(sock, index=None, who="the evaluator's worker", after_death=after_death)
         self.replies: deque[Any] = deque()
         self.wakeup: anyio.Event | None = None
-        self.dead: BrokenWorkerError | None = None  # its socket reached end-of-file
+        self.dead: WorkerError | None = None  # its socket reached end-of-file (the hang, if it was hung)
         self.failed = False  # it reported a fatal error (and exits)
+        self.hung: WorkerError | None = None  # set by the watchdog before it kills the process
         self.scope: anyio.CancelScope | None = None
         self.reader_done: anyio.Event | None = None
+        self.heartbeat_fd: int | None = None
+        self.monitor: _heartbeat.HeartbeatMonitor | None = None
+
+    def watch(self) -> int:
+        """Allocate the heartbeat (a small memfd of its own); return the fd to send."""
+        fd, mm = _shm.allocate(_heartbeat.NBYTES, f"aiocollect-{os.getpid()}-eval")
+        self.heartbeat_fd, self.monitor = fd, _heartbeat.HeartbeatMonitor(mm, 0)
+        return fd
+
+    def close_fds(self) -> None:
+        super().close_fds()
+        if self.heartbeat_fd is not None:
+            os.close(self.heartbeat_fd)
+            self.heartbeat_fd = None
+        # the mapping goes with the monitor (a watchdog reading a stack dump may still hold it)
+        self.monitor = None
 
     async def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -255,7 +298,7 @@ class _EvalProcess(ChildProcess):
         except OSError:  # broken pipe: the worker is gone
             raise (self.dead or self.broken()) from None
 
-    async def read(self, on_death: Callable[["_EvalProcess", BrokenWorkerError], None], *, task_status: Any) -> None:
+    async def read(self, on_death: Callable[["_EvalProcess", WorkerError], None], *, task_status: Any) -> None:
         self.reader_done = anyio.Event()
         try:
             with anyio.CancelScope() as scope:
@@ -265,10 +308,10 @@ class _EvalProcess(ChildProcess):
                     try:
                         msg = await self.recv()
                     except BrokenWorkerError as exc:
-                        self.dead = exc
+                        self.dead = self.hung or exc
                         self._wake()
                         if not self.failed:
-                            on_death(self, exc)
+                            on_death(self, self.dead)
                         return
                     if msg[0] == "error":
                         self.failed = True
@@ -363,9 +406,25 @@ class Evaluator(AsyncResource):
     exception of the worker is a :class:`WorkerError` (the original as ``__cause__``, the worker
     traceback in the message); a worker killed from outside is a :class:`BrokenWorkerError`, as
     soon as its socket closes (between evaluations too), and the next evaluation starts a new
-    worker. An
-    exception in an event handler or ``on_result`` surfaces the same way. Bad arguments raise
-    :class:`ConfigError` here, before any process starts.
+    worker. An exception in an event handler or ``on_result`` surfaces the same way. Bad
+    arguments raise :class:`ConfigError` here, before any process starts.
+
+    **Worker failures.** With ``step_timeout=seconds`` the worker writes, before each env reset,
+    env step and policy call of an evaluation, the time into a heartbeat in shared memory, which
+    the evaluator reads a few times per timeout; a call that outlasts ``step_timeout`` makes the
+    worker hung: its Python stack is taken (``faulthandler``, through ``SIGUSR1``), it is killed,
+    and the evaluation fails with :class:`WorkerTimeoutError` (naming the env, what it was doing
+    and that stack). An idle worker (between evaluations, loading weights) is never hung. With
+    ``on_worker_failure="restart"`` an evaluation whose worker died, crashed or hung runs again,
+    from its start, on a new worker: :meth:`evaluate` returns its metrics, and the failure is a
+    :class:`~aiocollect.events.WorkerFailed` then a :class:`~aiocollect.events.WorkerRestarted`
+    event (``worker=-1``: the evaluator's worker has no index); a worker that dies between
+    evaluations is replaced at once, and no error is raised for it. At most ``max_restarts`` new
+    workers within ``restart_window`` seconds (:attr:`restarts` counts them all): the next
+    failure fails its evaluation with a note naming ``max_restarts`` (between evaluations: is
+    raised like a background evaluation's error), and the next evaluation starts a new worker. An exception of the env or
+    the policy is *not* a worker failure (the worker reports it and stays usable): it fails its
+    evaluation under either setting, as a rerun would raise it again.
 
     **Lifecycle.** ``async with Evaluator(...)``, or ``await start()`` (optional: the first
     evaluation starts it) and ``await aclose()``. The evaluator's work runs in a task of its own,
@@ -398,6 +457,10 @@ class Evaluator(AsyncResource):
         nice: int = 0,
         check_finite: bool = False,
         action_bounds: str = "pass",
+        on_worker_failure: Literal["raise", "restart"] = "raise",
+        max_restarts: int = 3,
+        restart_window: float | None = 60.0,
+        step_timeout: float | None = None,
     ) -> None:
         import cloudpickle
 
@@ -419,6 +482,10 @@ class Evaluator(AsyncResource):
             nice=nice,
             check_finite=check_finite,
             action_bounds=action_bounds,  # type: ignore[arg-type]
+            on_worker_failure=on_worker_failure,
+            max_restarts=max_restarts,
+            restart_window=restart_window,
+            step_timeout=step_timeout,
         )
         if c.policy_factory is not None:
             mode, obj, kind = "factory", c.policy_factory, "factory"
@@ -481,6 +548,9 @@ class Evaluator(AsyncResource):
         """Evaluations that raised."""
         self.skipped = 0
         """Triggers skipped because an evaluation was pending (``busy_policy="skip"``)."""
+        self.restarts = 0
+        """Workers started to replace one that died, crashed or hung (``on_worker_failure="restart"``)."""
+        self._budget = RestartBudget(self.config.max_restarts, self.config.restart_window)
         # let the launcher import what the worker needs while the caller does other things
         get_launcher().ensure_started(needs)
 
@@ -512,8 +582,9 @@ class Evaluator(AsyncResource):
     # -- events -----------------------------------------------------------------------------------
     def on(self, event_type: type[E], handler: Callable[[E], Any] | None = None) -> Any:
         """Call ``handler(event)`` (sync or async, awaited in registration order) for each
-        :class:`~aiocollect.events.EvaluationCompleted` / :class:`~aiocollect.events.EvaluationFailed`
-        (or any superclass registered). Returns a handle whose ``remove()`` unsubscribes; without
+        :class:`~aiocollect.events.EvaluationCompleted` / :class:`~aiocollect.events.EvaluationFailed`,
+        and :class:`~aiocollect.events.WorkerFailed` / :class:`~aiocollect.events.WorkerRestarted`
+        about its worker (or any superclass registered). Returns a handle whose ``remove()`` unsubscribes; without
         ``handler`` it is a decorator. Handlers run in the evaluator's own task, before the next
         evaluation starts (so a handler may call :meth:`trigger`, but must not await
         :meth:`evaluate` or :meth:`wait`: they would wait for the handler itself). An exception
@@ -611,8 +682,11 @@ class Evaluator(AsyncResource):
 
         Starts the evaluator if needed; waits behind evaluations already pending. Raises the
         evaluation's error (a :class:`WorkerError` for the env's or policy's exception, a
-        :class:`BrokenWorkerError` if the worker died, ``metrics_fn``'s or an event handler's
-        exception) and :class:`EvaluatorClosedError` if the evaluator is closed meanwhile.
+        :class:`BrokenWorkerError` if the worker died, a :class:`WorkerTimeoutError` if it hung
+        past ``step_timeout``, ``metrics_fn``'s or an event handler's exception) and
+        :class:`EvaluatorClosedError` if the evaluator is closed meanwhile. Under
+        ``on_worker_failure="restart"`` a worker's death or hang is not raised (the evaluation runs
+        again on a new worker) unless the restart budget is spent.
         Cancelling the call abandons the evaluation: the worker stops it between two steps and
         no event is emitted for it (unless it had finished already).
         """
@@ -772,6 +846,8 @@ class Evaluator(AsyncResource):
             if self._state is EvaluatorState.STARTING and self._start_error is None:
                 self._state = EvaluatorState.RUNNING
             self._started.set()
+        if self.config.step_timeout is not None:
+            tg.start_soon(self._watchdog, self.config.step_timeout)
         await self._schedule(tg)
 
     def _abandon_all(self) -> None:
@@ -786,10 +862,13 @@ class Evaluator(AsyncResource):
         self._notify()
 
     async def _spawn(self, tg: Any) -> _EvalProcess:
-        proc = _EvalProcess.spawn(get_launcher(), self._needs, _ENTRY)
+        restart = self.config.on_worker_failure == "restart"
+        after = "; a new worker replaces it (on_worker_failure='restart')" if restart else "; the next evaluation starts a new worker"
+        proc = _EvalProcess.spawn(get_launcher(), self._needs, _ENTRY, after_death=after)
         try:
+            fds = (proc.watch(),) if self.config.step_timeout is not None else ()
             await proc.handshake()
-            await proc.send(("config", self._worker_config))
+            await proc.send(("config", self._worker_config), fds)
             await proc.expect("ready")
             await tg.start(proc.read, self._worker_died)
         except BaseException:
@@ -798,14 +877,28 @@ class Evaluator(AsyncResource):
             raise
         return proc
 
-    def _worker_died(self, proc: _EvalProcess, exc: BrokenWorkerError) -> None:
-        """Between evaluations nobody waits on the worker: report its death now."""
-        if proc is self._proc and self._current is None and not self._stop.is_set():
+    def _worker_died(self, proc: _EvalProcess, exc: WorkerError) -> None:
+        """Between evaluations nobody waits on the worker: report its death now (under
+        ``"restart"``: replace it now). One killed as hung had its evaluation end meanwhile:
+        the next evaluation starts a new worker."""
+        if proc is not self._proc or self._current is not None or self._stop.is_set() or proc.hung is not None:
+            return
+        if self.config.on_worker_failure == "restart":
+            self._wakeup.set()
+        else:
             self._add_error(exc)
 
     async def _schedule(self, tg: Any) -> None:
+        restart = self.config.on_worker_failure == "restart"
         while True:
             while not self._queue:
+                proc = self._proc
+                if restart and proc is not None and proc.dead is not None and proc.hung is None:
+                    try:  # it died between evaluations: a new worker now, ready for the next one
+                        await self._replace(tg, proc, proc.dead)
+                    except Exception as exc:  # noqa: BLE001 - past the budget (or a handler's error)
+                        self._add_error(exc)
+                    continue
                 self._wakeup = anyio.Event()
                 await self._wakeup.wait()
             req = self._current = self._queue.popleft()
@@ -831,6 +924,46 @@ class Evaluator(AsyncResource):
                 self._notify()
 
     async def _run_one(self, req: _Request, tg: Any) -> dict | None:
+        """Run ``req`` to its metrics (``None``: aborted). Under ``"restart"`` a worker that dies,
+        crashes or hangs meanwhile is replaced and the evaluation runs again from its start,
+        within the restart budget; an env's or policy's exception (the worker reports it and
+        stays usable) fails the evaluation either way."""
+        restart = self.config.on_worker_failure == "restart"
+        weights, req.weights = req.weights, None  # kept until the evaluation ends, for a rerun
+        while True:
+            proc = self._proc
+            if restart and proc is not None and proc.dead is not None and proc.hung is None:
+                lost: BaseException = proc.dead  # it died between evaluations, not replaced yet
+            else:
+                try:
+                    proc = await self._live_worker(tg)
+                except Exception as exc:
+                    if not restart:
+                        raise
+                    lost, proc = exc, None  # a new worker that failed to start: counted the same
+                else:
+                    t0 = time.perf_counter()
+                    try:
+                        msg = await self._attempt(proc, req, weights)
+                    except WorkerError as exc:  # its death or hang, seen by send() or reply()
+                        if not restart:
+                            raise
+                        lost = exc
+                    else:
+                        if msg[0] == "result":
+                            return await self._metrics(req, msg[2], msg[3], time.perf_counter() - t0)
+                        if msg[0] == "aborted":
+                            return None
+                        error = proc.error_from(msg)
+                        if msg[0] == "failed" or not restart:  # "error": fatal, the worker exits
+                            raise error
+                        lost = error
+            await self._replace(tg, proc, lost)
+            if req.abandoned:  # its caller is gone: not run again
+                return None
+
+    async def _live_worker(self, tg: Any) -> _EvalProcess:
+        """The worker, or a new one if there is none or it is gone (its failure was reported)."""
         proc = self._proc
         if proc is None or proc.dead is not None or proc.failed:
             self._proc = None
@@ -838,24 +971,66 @@ class Evaluator(AsyncResource):
                 with anyio.CancelScope(shield=True):
                     await proc.stop(self.config.shutdown_timeout)
             proc = self._proc = await self._spawn(tg)
-        t0 = time.perf_counter()
-        await proc.send(("evaluate", req.id, req.weights, self.config.num_trajectories))
-        req.sent, req.weights = True, None
+        return proc
+
+    async def _attempt(self, proc: _EvalProcess, req: _Request, weights: Any) -> Any:
+        """Send ``req`` to ``proc``; return its answer (``result``, ``failed``, ``aborted`` or a
+        fatal ``error``). Raises the worker's death (or hang) if it comes first."""
+        req.sent = False
+        await proc.send(("evaluate", req.id, weights, self.config.num_trajectories))
+        req.sent = True
         if req.abandoned:
             await proc.send(("abort", req.id))
         while True:
             msg = await proc.reply()
-            if msg[0] == "error":  # fatal: the worker exits (the next evaluation starts a new one)
-                raise proc.error_from(msg)
-            if msg[1] != req.id:
-                continue  # the answer to an abort that arrived after its evaluation finished
-            if msg[0] == "aborted":
-                return None
-            if msg[0] == "failed":
-                raise proc.error_from(msg)
+            if msg[0] == "error" or msg[1] == req.id:
+                return msg
+            # else the answer to an abort that arrived after its evaluation finished
+
+    async def _replace(self, tg: Any, proc: _EvalProcess | None, error: BaseException) -> None:
+        """``proc`` died, crashed or hung (``error``): emit :class:`WorkerFailed`, stop it and,
+        within the restart budget, start a new worker (:class:`WorkerRestarted`). Past the
+        budget, raises ``error`` with a note saying so (the next evaluation starts a new worker)."""
+        old_pid = pid = None if proc is None else proc.pid
+        if proc is not None:
+            self._proc = None
+            with anyio.CancelScope(shield=True):
+                await proc.stop(0)  # dead or hung already: killed now if it is not gone
+        while True:
+            await self._bus.emit(WorkerFailed(worker=-1, pid=pid, error=error))
+            if not self._may_restart(error):
+                raise error
+            try:
+                self._proc = await self._spawn(tg)
+            except Exception as exc:  # noqa: BLE001 - the new worker failed to start: counted the same
+                error, pid = exc, None
+                continue
             break
-        seconds = time.perf_counter() - t0
-        return await self._metrics(req, msg[2], msg[3], seconds)
+        self.restarts += 1
+        await self._bus.emit(WorkerRestarted(worker=-1, pid=self._proc.pid, old_pid=old_pid))
+
+    def _may_restart(self, error: BaseException) -> bool:
+        if self.config.on_worker_failure != "restart" or self._stop.is_set():
+            return False
+        return self._budget.allow(error)
+
+    async def _watchdog(self, timeout: float) -> None:
+        """Declare the worker hung when it spends longer than ``timeout`` in one call of an
+        evaluation (never while idle: its heartbeat says so, and it is only read during one)."""
+        period = min(max(timeout / 4, 0.01), 1.0)
+        while True:
+            await anyio.sleep(period)
+            proc = self._proc
+            if proc is None or self._current is None or proc.dead is not None or proc.hung is not None:
+                continue
+            monitor = proc.monitor
+            stuck = None if monitor is None else monitor.stuck(timeout)
+            if stuck is None:
+                continue
+            error = await proc.hung_error(monitor, *stuck, timeout)  # type: ignore[arg-type]
+            if proc.dead is None:  # (else it died meanwhile, of something else)
+                proc.hung = error
+                proc.kill()
 
     async def _metrics(self, req: _Request, returns: list[float], lengths: list[int], seconds: float) -> dict:
         r = np.asarray(returns, dtype=np.float64)

@@ -4,15 +4,19 @@ A worker collecting with a ``step_timeout`` writes, before each env step, env re
 call, the time (``CLOCK_MONOTONIC``, the same clock in every process) and what it is about to do
 into a few words at the end of its shared-memory segment, and marks itself idle while it waits
 for the collector. The collector reads them a few times per timeout: a worker busy with the same
-call for longer than the timeout is hung. Nothing is written when no timeout is set.
+call for longer than the timeout is hung. Nothing is written when no timeout is set. The
+evaluator's worker does the same during an evaluation, in a small memfd of its own.
 
-Before killing a hung worker the collector sends it ``SIGUSR1``; :mod:`faulthandler` in the
-worker then writes every thread's Python stack into the dump area of the same segment, so that
-the error says where it hung. Imported by worker processes: standard library only.
+Before killing a hung worker the collector (or evaluator) sends it ``SIGUSR1``; :mod:`faulthandler`
+in the worker (set up by :func:`install`) then writes every thread's Python stack into the dump
+area of the same segment, so that the error says where it hung
+(:meth:`aiocollect._child.ChildProcess.hung_error`). Imported by worker processes: standard
+library only.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -39,6 +43,19 @@ class Heartbeat:
 
     def idle(self) -> None:
         self._words[1] = IDLE << 32
+
+
+def install(buffer: Any, fd: int, offset: int) -> Heartbeat:
+    """Worker side: the heartbeat at ``offset`` of ``buffer`` (a mapping of the memfd ``fd``),
+    and :mod:`faulthandler` set to write every thread's stack into its dump area on ``SIGUSR1``
+    (through a file descriptor of its own: ``fd`` may be closed after this)."""
+    import faulthandler
+    import signal
+
+    dump = os.dup(fd)
+    os.lseek(dump, offset + DUMP_OFFSET, os.SEEK_SET)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    return Heartbeat(buffer, offset)
 
 
 class HeartbeatMonitor:

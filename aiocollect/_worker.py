@@ -151,13 +151,7 @@ class Worker(Peer):
 
                 self.rollout.add_store(map_store(fds[1], weight_layout))
             if watch:  # a step_timeout: keep a heartbeat, and dump the stack on SIGUSR1
-                import faulthandler
-                import signal
-
-                self.rollout.heartbeat = _heartbeat.Heartbeat(mm, layout.nbytes)
-                dump = os.dup(fds[0])
-                os.lseek(dump, layout.nbytes + _heartbeat.DUMP_OFFSET, os.SEEK_SET)
-                faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+                self.rollout.heartbeat = _heartbeat.install(mm, fds[0], layout.nbytes)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -19,7 +19,7 @@ import torch
 
 from . import _heartbeat, _shm
 from ._child import ChildProcess, started_pids, worker_error
-from ._errors import SpecError, WorkerTimeoutError
+from ._errors import SpecError
 from ._layout import Key, SlotLayout
 from ._rollout import Rollout, RolloutConfig
 
@@ -224,28 +224,8 @@ class ProcessWorker(WorkerHandle):
         :meth:`serve` then returns a :class:`WorkerTimeoutError`."""
         proc, monitor = self.proc, self.monitor
         assert proc is not None and monitor is not None
-        import signal
-
-        proc.signal(signal.SIGUSR1)  # faulthandler in the worker dumps every thread's stack
-        stack = ""
-        with anyio.move_on_after(1.0):
-            while True:  # until the dump stops growing
-                await anyio.sleep(0.05)
-                now = monitor.stack_dump()
-                if now and now == stack:
-                    break
-                stack = now
-        doing = _heartbeat.describe(what, env)
-        self.hung = WorkerTimeoutError(
-            f"{proc.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout="
-            f"{timeout:g}). It was killed. Its stack when it was declared hung:\n{stack or '(not available)'}"
-            f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
-            f"on_worker_failure='restart' to replace hung workers and go on",
-            worker=self.index,
-            env=env if what != _heartbeat.POLICY else None,
-            doing=doing,
-        )
-        proc.kill()
+        self.hung = await proc.hung_error(monitor, what, env, seconds, timeout)
+        proc.kill()  # (no await since the line above: serve() sees the end-of-file after self.hung is set)
 
     # -- replacement and shutdown ---------------------------------------------------------------
     async def replace(self, cfg: RolloutConfig) -> None:

@@ -139,7 +139,8 @@ class ProfileTraceReady(Event):
 
 @_event
 class WorkerEvent(Event):
-    """Base class of the events about one worker process."""
+    """Base class of the events about one worker process; ``worker`` is its index, ``-1`` for a
+    worker without one (the local backend's, an :class:`~aiocollect.Evaluator`'s)."""
 
     worker: int
     pid: int | None

@@ -356,10 +356,10 @@ def test_weight_updates_cancellations_and_forgotten_collectors_on_trio():
             assert c.state is State.CLOSED
         assert fds() == before and not _children()
         with pytest.warns(ResourceWarning, match="was not closed"):
-            c = Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
-            await c.start()
-            pid = c.worker_pids[0]
-            del c
+            forgotten = Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
+            await forgotten.start()
+            pid = forgotten.worker_pids[0]
+            del forgotten
             gc.collect()
         with anyio.fail_after(20):
             while alive(pid):
