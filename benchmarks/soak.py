@@ -246,6 +246,8 @@ def main(args: argparse.Namespace) -> int:
     log(f"soak benchmark: {ENV_ID}, ArgmaxMLP 4-64-2, {args.workers} workers x {args.envs_per_worker} envs, "
         f"{args.frames_per_batch} frames/batch, update_weights every {args.update_every} batches, "
         f"{args.minutes:g} min, a sample every {args.every:g} s")
+    import aiocollect  # noqa: F401 - (for its version in the machine line)
+
     log(machine_line(machine()))
     soak = Soak()
     names = _names(args.workers)
