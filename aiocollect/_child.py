@@ -21,7 +21,8 @@ import anyio
 from . import _heartbeat, _wire
 from ._errors import AiocollectError, BrokenWorkerError, WorkerError, WorkerTimeoutError
 
-#: pids of every child process started by this process (tests check that they are all gone).
+#: pids of the child processes this process started (the last 10,000 at least; tests check that
+#: they are all gone).
 started_pids: list[int] = []
 
 
@@ -199,6 +200,8 @@ class ChildProcess:
     def set_pid(self, pid: int) -> None:
         self.pid = pid
         started_pids.append(pid)
+        if len(started_pids) > 20_000:  # a long-lived process: keep the recent ones only
+            del started_pids[:10_000]
         try:
             self.pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # pragma: no cover - no pidfd (old kernel)

@@ -32,7 +32,7 @@ from ._launcher import get_launcher
 from ._policy import PolicySpec, classify
 from ._supervisor import RestartBudget
 from ._systask import spawn_system_task
-from ._resource import AsyncResource, unwrap_group as _unwrap
+from ._resource import AsyncResource, unwrap_group as _unwrap, wait_shielded
 from ._child import ChildProcess, add_note
 from .events import Event, EvaluationCompleted, EvaluationFailed, WorkerFailed, WorkerRestarted
 
@@ -637,8 +637,7 @@ class Evaluator(AsyncResource):
         await self._started.wait()
         error = self._start_error
         if error is not None:
-            with anyio.CancelScope(shield=True):
-                await self._done.wait()
+            await wait_shielded(self._done)
             if error in self._errors:  # nobody has seen it yet: raised here, not again by poll() ...
                 self._errors.remove(error)
                 raise error
@@ -656,10 +655,13 @@ class Evaluator(AsyncResource):
         nobody has seen yet."""
         self._state = EvaluatorState.CLOSED
         if self._task is not None:
-            with anyio.CancelScope(shield=True):
-                self._stop.set()
-                await self._done.wait()
-        self._bus.close()
+            self._stop.set()
+            try:
+                await wait_shielded(self._done)  # even under task.cancel(): the worker is gone first
+            finally:
+                self._bus.close()
+        else:
+            self._bus.close()
         self._raise_background_error()
 
     def __del__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
@@ -33,6 +34,25 @@ class AsyncResource:
             await self.aclose()
         except Exception:
             pass
+
+
+async def wait_shielded(event: Any) -> None:
+    """Wait for ``event`` whatever cancels the caller meanwhile; then re-raise the cancellation.
+
+    ``anyio.CancelScope(shield=True)`` stops anyio's cancellations, but on asyncio a native
+    ``task.cancel()`` (``asyncio.wait_for``'s timeout, a server shutting down, Ctrl-C under
+    ``asyncio.run``) still interrupts the wait: cleanup that must finish would return half done.
+    """
+    pending: BaseException | None = None
+    while True:
+        try:
+            with anyio.CancelScope(shield=True):
+                await event.wait()
+            break
+        except asyncio.CancelledError as exc:  # a native task.cancel(): the shield let it through
+            pending = exc
+    if pending is not None:
+        raise pending
 
 
 def unwrap_group(exc: BaseException) -> BaseException:

@@ -40,7 +40,7 @@ from ._layout import SlotLayout, frame_leaves
 from ._policy import PolicySpec, describe
 from ._producer import Producer
 from ._profiling import ProfileConfig, Recorder
-from ._resource import unwrap_group
+from ._resource import unwrap_group, wait_shielded
 from ._rollout import RolloutConfig
 from ._stats import Stats
 from ._supervisor import RestartBudget, supervise, watchdog
@@ -209,10 +209,11 @@ class Run:
         await self.started.wait()
         if self.state is State.STOPPED and self.launch_failed:
             # nothing was started that could be used: the collector is closed, its error raised once
-            with anyio.CancelScope(shield=True):
-                await self.done.wait()
-            self.recv.close()
-            self.state = State.CLOSED
+            try:
+                await wait_shielded(self.done)
+            finally:
+                self.recv.close()
+                self.state = State.CLOSED
             if not self.error_seen and self.error is not None:
                 self.error_seen = True
                 raise self.error
@@ -229,11 +230,12 @@ class Run:
             return
         self.check_loop()
         self.closing = True
-        with anyio.CancelScope(shield=True):
-            self.stop.set()
-            await self.done.wait()
-        self.recv.close()
-        self.state = State.CLOSED
+        self.stop.set()
+        try:
+            await wait_shielded(self.done)  # even under task.cancel(): the workers are gone first
+        finally:
+            self.recv.close()
+            self.state = State.CLOSED
         if self.error is not None and not self.error_seen:
             self.error_seen = True
             raise self.error
