@@ -86,7 +86,10 @@ def main() -> int:
     with fc.RunningFuzz(args.uvloop) as fuzz:
         for target in fuzz.targets():
             run(target, args.running_examples)
-        fuzz.still_usable()
+        try:
+            fuzz.still_usable()
+        except Exception as exc:  # noqa: BLE001 - reported with the rest
+            failures[("after the fuzzing", "-", "NOT USABLE / STARTED")].append(f"{type(exc).__name__}: {exc}")
     total_s = time.perf_counter() - t_start
 
     print(f"Fuzzed inputs and how they ended ({'uvloop' if args.uvloop else 'asyncio'} for the running objects; "

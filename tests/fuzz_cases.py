@@ -1096,16 +1096,19 @@ class _Spawned(AssertionError):
 
 
 @contextlib.contextmanager
-def no_spawn() -> Iterator[None]:
-    """The launcher refuses to fork a process meanwhile (a call that asks is reported)."""
+def no_spawn() -> Iterator[list[str]]:
+    """The launcher refuses to fork a process meanwhile; yields the list of the requests it
+    refused (the library may wrap the refusal in an error of its own: the list still tells)."""
     original = Launcher.spawn
+    asked: list[str] = []
 
-    def refuse(self: Launcher, *args: Any, **kwargs: Any) -> None:
-        raise _Spawned("the launcher was asked to start a process")
+    def refuse(self: Launcher, fd: int, needs: Any, entry: str = "aiocollect._worker:serve") -> None:
+        asked.append(entry)
+        raise _Spawned(f"the launcher was asked to start a process ({entry})")
 
     Launcher.spawn = refuse  # type: ignore[method-assign]
     try:
-        yield
+        yield asked
     finally:
         Launcher.spawn = original  # type: ignore[method-assign]
 
@@ -1155,15 +1158,13 @@ def attempt(case: Case) -> tuple[str, str]:
     pids = len(_child.started_pids)
     result = error = None
     t0 = time.monotonic()
-    with no_spawn():
+    with no_spawn() as asked:
         try:
             result = case.target.call(case if case.target.takes_case else dict(case.kwargs))
-        except _Spawned as exc:
-            error = exc
         except Exception as exc:  # noqa: BLE001 - classified below
             error = exc
     seconds = time.monotonic() - t0
-    spawned = isinstance(error, _Spawned) or len(_child.started_pids) != pids
+    spawned = bool(asked) or len(_child.started_pids) != pids
     if error is None and result is not None:
         case.target.close(result)
     outcome = classify(case, result, error, seconds, spawned)
