@@ -40,6 +40,19 @@ def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
     raise ConfigError(f"{argument}={env_id!r} is not a registered gymnasium env id{hint}")
 
 
+def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+def _positive_seconds(name: str, value: Any, alternative: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds, {alternative}")
+    return value
+
+
 def _check_module_env_id(env_id: str, argument: str) -> None:
     """``"module:EnvId"`` (gymnasium imports the module, whose import registers the id): the module
     must be importable (the id itself is only known once it is imported, in the workers)."""
@@ -56,19 +69,6 @@ def _check_module_env_id(env_id: str, argument: str) -> None:
         )
 
 
-def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name}={value!r} must be an int >= {low}")
-    return value
-
-
-def _positive_seconds(name: str, value: Any, alternative: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds, {alternative}")
-    return value
-
-
 def _check_worker_count(num_workers: int) -> None:
     limit = max_worker_processes()
     if limit is not None and num_workers > limit[0]:
@@ -76,6 +76,15 @@ def _check_worker_count(num_workers: int) -> None:
             f"num_workers={num_workers} is more worker processes than this machine allows: {limit[0]}, by "
             f"{limit[1]}; use fewer workers (each steps envs_per_worker envs), or raise the limit"
         )
+
+
+def _check_strs(config: Any, choices: dict[str, str]) -> None:
+    """Options that are one of a few strings get a str (a numpy array, compared with ``in``,
+    would raise numpy's ambiguous-truth ValueError instead of ours)."""
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r} must be {allowed}")
 
 
 def check_kwargs(name: str, kwargs: Any) -> None:
@@ -214,9 +223,11 @@ class CollectorConfig:
         _positive_int("num_workers", self.num_workers, allow_zero=True)
         _check_worker_count(self.num_workers)
         _positive_int("envs_per_worker", self.envs_per_worker)
-        if not isinstance(self.delivery, str) or self.delivery not in ("sync", "async"):
+        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker'", "traj_format": "'pad' or 'cat'",
+                           "on_worker_failure": "'raise' or 'restart'"})
+        if self.delivery not in ("sync", "async"):
             raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
-        if not isinstance(self.inference, str) or self.inference != "worker":
+        if self.inference != "worker":
             raise ConfigError(
                 f"inference={self.inference!r} is not available in this version; use inference='worker' "
                 f"(the policy runs in each worker)"
@@ -276,7 +287,7 @@ class CollectorConfig:
                     f"trajs_per_batch={self.trajs_per_batch} and split_trajs=True both reshape batches into trajectories; "
                     "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
                 )
-        if not isinstance(self.traj_format, str) or self.traj_format not in ("pad", "cat"):
+        if self.traj_format not in ("pad", "cat"):
             raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' or 'cat'")
         if not isinstance(self.update_at_each_batch, bool):
             raise ConfigError(f"update_at_each_batch={self.update_at_each_batch!r} must be True or False")
@@ -296,7 +307,7 @@ class CollectorConfig:
         if self.num_workers > 0:
             check_sendable_to_workers(fn, self.create_env_kwargs)
 
-        if not isinstance(self.on_worker_failure, str) or self.on_worker_failure not in ("raise", "restart"):
+        if self.on_worker_failure not in ("raise", "restart"):
             raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")
         _positive_int("max_restarts", self.max_restarts, allow_zero=True)
         if self.restart_window is not None:

@@ -21,14 +21,12 @@ import anyio
 import numpy as np
 
 from ._bus import EventBus, Overflow, Subscription
-from ._config import _exploration_name, check_env_id, check_kwargs
+from ._config import _exploration_name, check_env_id
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 from ._eval_worker import EvalWorkerConfig
 from ._registry import snapshot as snapshot_registry
 from ._launcher import get_launcher
-from ._limits import check_seed
 from ._policy import PolicySpec, classify
-from ._weights import named
 from ._systask import spawn_system_task
 from ._resource import AsyncResource, unwrap_group as _unwrap
 from ._child import ChildProcess, add_note
@@ -163,6 +161,9 @@ class EvaluatorConfig:
             )
         if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
             raise ConfigError(f"env_kwargs={self.env_kwargs!r} must be a dict or None")
+        from ._config import check_kwargs
+        from ._limits import check_seed
+
         check_kwargs("env_kwargs", self.env_kwargs)
         check_seed(self.seed)  # episode j starts with reset(seed=seed + j); torch's generator gets seed
         if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
@@ -205,6 +206,8 @@ def _on_cpu(policy: Any) -> Any:
 def _weights_state(weights: Any) -> tuple[str, Mapping[str, Any]]:
     """``(kind, {name: value})`` of the weights given (not copied); raises :class:`ConfigError`
     for what is not weights."""
+    from ._weights import named
+
     torch = sys.modules.get("torch")
     td = sys.modules.get("tensordict")
     if torch is not None and isinstance(weights, torch.nn.Module):
@@ -697,6 +700,8 @@ class Evaluator(AsyncResource):
             return
         c = self.config
         if c.policy is None and c.policy_factory is None:
+            from ._weights import named
+
             raise ConfigError(
                 f"{named('weights', weights)} were given, but the evaluator has no policy (random actions): build it "
                 f"with Evaluator(env, policy) to evaluate weights"
