@@ -10,7 +10,7 @@ from typing import Any, Callable, Generic, Literal, TypeVar, overload
 
 import anyio
 
-from ._errors import AiocollectError
+from ._errors import AiocollectError, ConfigError
 from .events import Event
 
 E = TypeVar("E", bound=Event)
@@ -52,10 +52,10 @@ class Subscription(Generic[E]):
     """
 
     def __init__(self, bus: "EventBus", event_type: type[E], max_buffer: int, overflow: Overflow) -> None:
-        if max_buffer < 1:
-            raise ValueError(f"max_buffer={max_buffer} must be >= 1")
-        if overflow not in ("drop_oldest", "drop_newest", "error"):
-            raise ValueError(f"overflow={overflow!r} must be 'drop_oldest', 'drop_newest' or 'error'")
+        if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
+            raise ConfigError(f"max_buffer={max_buffer!r} must be an int >= 1: the events a subscriber may fall behind by")
+        if not isinstance(overflow, str) or overflow not in ("drop_oldest", "drop_newest", "error"):
+            raise ConfigError(f"overflow={overflow!r} must be 'drop_oldest', 'drop_newest' or 'error'")
         self._bus = bus
         self.event_type = event_type
         self.max_buffer = max_buffer

@@ -18,11 +18,14 @@ from ._bus import Overflow, Subscription
 from ._config import CollectorConfig
 from ._errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
 from ._launcher import get_launcher
+from ._limits import check_seed
 from ._policy import PolicySpec, classify
 from ._profiling import ProfileConfig
 from ._resource import AsyncResource
 from ._run import Run, State, loop_token
 from ._stats import CollectorStats
+from ._weights import check_weights
+from ._weightsync import Updates, check_worker_ids
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
     from tensordict import TensorDict
@@ -231,10 +234,13 @@ class Collector(AsyncResource):
 
         Emits :class:`~aiocollect.events.WeightsUpdated`, then one
         :class:`~aiocollect.events.WeightsApplied` per worker (with its latency). Raises
-        :class:`ConfigError` for arguments that do not fit the workers' policy, and
+        :class:`ConfigError` for arguments that do not fit the workers' policy (those that could
+        not fit any policy before the collector starts; nothing is published then), and
         :class:`CollectorClosedError` after :meth:`aclose` or once a worker's failure stopped
         the collection.
         """
+        if not isinstance(model_id, str):
+            raise ConfigError(f"model_id={model_id!r} must be a str: 'policy' or 'policy.<submodule path>'")
         if weights_dict is not None:
             if policy_or_weights is not None or model_id != "policy":
                 raise ConfigError(
@@ -242,12 +248,21 @@ class Collector(AsyncResource):
                 )
             if not isinstance(weights_dict, Mapping) or not weights_dict:
                 raise ConfigError(f"weights_dict={weights_dict!r} must be a non-empty {{model_id: weights}} mapping")
-            updates = dict(weights_dict)
+            updates = Updates(weights_dict, from_dict=True)
         else:
-            updates = {model_id: policy_or_weights}
+            updates = Updates({model_id: policy_or_weights}, from_dict=False)
         if not isinstance(wait, bool):
             raise ConfigError(f"wait={wait!r} must be True or False")
-        return await self._run.update_weights(updates, worker_ids, wait)
+        # what does not depend on the workers' policy, checked before the collector starts
+        run = self._run
+        run.sync.check_model_ids(updates)
+        check_worker_ids(worker_ids, self.config.workers)
+        for name, weights in updates.items():
+            if weights is not None:
+                check_weights(weights, updates.argument(name))
+        if run.state is State.CREATED:
+            run.sync.check_before_start(updates)
+        return await run.update_weights(updates, worker_ids, wait)
 
     # -- events ---------------------------------------------------------------------------------
     def on(self, event_type: type[E], handler: Callable[[E], Any] | None = None) -> Any:
@@ -296,10 +311,25 @@ class Collector(AsyncResource):
         >>> collector.enable_profile(workers=[0], num_rollouts=5, warmup_rollouts=2,   # doctest: +SKIP
         ...                          save_path="traces/worker_{worker_idx}.json")
         """
+        if config is not None and not isinstance(config, ProfileConfig):
+            raise ConfigError(f"config={config!r:.100} must be a ProfileConfig or None (then pass its fields as keywords)")
+        fields = {f.name for f in dataclasses.fields(ProfileConfig)}
+        unknown = [k for k in kwargs if k not in fields]
+        if unknown:
+            raise ConfigError(
+                f"enable_profile() got the keyword {unknown[0]}={kwargs[unknown[0]]!r:.60}, which is not a field of "
+                f"ProfileConfig; pass some of {sorted(fields)}"
+            )
         if config is None:
             config = ProfileConfig(**kwargs)
         elif kwargs:
             config = dataclasses.replace(config, **kwargs)
+        bad = [w for w in config.workers if w >= self.config.workers]
+        if bad:
+            raise ConfigError(
+                f"config=ProfileConfig(workers={list(config.workers)}) names workers {bad}, but this collector has "
+                f"{self.config.workers} (indices 0..{self.config.workers - 1})"
+            )
         self._run.enable_profile(config)
         return config
 
@@ -329,10 +359,13 @@ class Collector(AsyncResource):
         the number of workers. Call before the collector starts.
 
         Returns the next unused seed (``seed + number of envs``), to seed something else with.
+        Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
+        pass torch's limit (``2**64 - 1``).
         """
         self._require_created("set_seed()")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"seed={seed!r} must be an int")
+        check_seed(seed, offset=self.config.seed_offset, optional=False)
+        if not isinstance(static_seed, bool):
+            raise ConfigError(f"static_seed={static_seed!r} must be True or False")
         run = self._run
         run.seed, run.static_seed = seed, bool(static_seed)
         return seed if static_seed else seed + self.config.total_envs
@@ -358,14 +391,26 @@ class Collector(AsyncResource):
         restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
         run does not replay the same episodes."""
         self._require_created("load_state_dict()")
+        fix = "pass what collector.state_dict() returned"
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"state={state!r:.200} is a {type(state).__name__}, not a state_dict() of a Collector; {fix}")
         try:
+            if isinstance(state["traj_counters"], (str, bytes, Mapping)):
+                raise TypeError(f"traj_counters is a {type(state['traj_counters']).__name__}, not a list")
             counters = [int(k) for k in state["traj_counters"]]
             frames, batches = int(state["frames"]), int(state["batches"])
+            collected = int(state.get("collected_frames", frames))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(
-                f"state={state!r:.200} is not a state_dict() of a Collector ({type(exc).__name__}: {exc}); "
-                f"pass what collector.state_dict() returned"
+                f"state={state!r:.200} is not a state_dict() of a Collector ({type(exc).__name__}: {exc}); {fix}"
             ) from None
+        negative = [(k, v) for k, v in (("frames", frames), ("batches", batches), ("collected_frames", collected)) if v < 0]
+        negative += [("traj_counters", counters)] if any(k < 0 for k in counters) else []
+        if negative:
+            raise ConfigError(f"state has {negative[0][0]}={negative[0][1]!r:.100}, below 0; {fix}")
+        check_seed(state.get("next_seed"), "state['next_seed']", offset=self.config.seed_offset)
+        if not isinstance(state.get("static_seed", False), bool):
+            raise ConfigError(f"state has static_seed={state['static_seed']!r}, not True or False; {fix}")
         if len(counters) != self.config.total_envs:
             raise ConfigError(
                 f"state has trajectory counters for {len(counters)} envs, this collector has "
@@ -376,9 +421,9 @@ class Collector(AsyncResource):
             raise ConfigError(f"state has {frames} frames, more than total_frames={total}")
         run = self._run
         run.frames, run.batches = frames, batches
-        run.collected = int(state.get("collected_frames", frames))
+        run.collected = collected
         run.start_counters = counters
-        run.seed, run.static_seed = state.get("next_seed"), bool(state.get("static_seed", False))
+        run.seed, run.static_seed = state.get("next_seed"), state.get("static_seed", False)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, replay_buffer: Any = None) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 from typing import Any, Callable, Literal, Sequence
 
 from ._checks import ACTION_BOUNDS, ActionBounds
 from ._errors import ConfigError
+from ._limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed, max_worker_processes
 from ._policy import EXPLORATION_TYPES
 
 
@@ -27,7 +29,10 @@ def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
     """Raise :class:`ConfigError` (with close matches) if ``env_id`` is not a registered id."""
     import gymnasium as gym
 
-    if ":" in env_id or env_id in gym.registry:
+    if ":" in env_id:
+        _check_module_env_id(env_id, argument)
+        return
+    if env_id in gym.registry:
         return
     close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
@@ -40,7 +45,7 @@ def check_data_options(check_finite: Any, action_bounds: Any) -> None:
     """Validate the two data-check options (shared by the collector's and the evaluator's config)."""
     if not isinstance(check_finite, bool):
         raise ConfigError(f"check_finite={check_finite!r} must be True or False")
-    if action_bounds not in ACTION_BOUNDS:
+    if not isinstance(action_bounds, str) or action_bounds not in ACTION_BOUNDS:
         raise ConfigError(
             f"action_bounds={action_bounds!r} must be 'pass' (the env gets the policy's action as it is), "
             f"'clip' (the env gets it clipped to the Box's bounds) or 'error' (SpecError)"
@@ -58,6 +63,64 @@ def _positive_seconds(name: str, value: Any, alternative: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds, {alternative}")
     return value
+
+
+def _check_module_env_id(env_id: str, argument: str) -> None:
+    """``"module:EnvId"`` (gymnasium imports the module, whose import registers the id): the module
+    must be importable (the id itself is only known once it is imported, in the workers)."""
+    module, _, name = env_id.partition(":")
+    try:
+        found = bool(module) and importlib.util.find_spec(module) is not None
+    except Exception:  # noqa: BLE001 - a malformed name, or a parent package that fails to import
+        found = False
+    if not name or ":" in name or not found:
+        why = f"no module {module!r} can be imported" if not found else "the env id after ':' is missing or malformed"
+        raise ConfigError(
+            f"{argument}={env_id!r} is not 'module:EnvId' ({why}); pass a registered id such as 'CartPole-v1', "
+            f"or 'package.module:EnvId' where importing package.module registers EnvId"
+        )
+
+
+def _check_worker_count(num_workers: int) -> None:
+    limit = max_worker_processes()
+    if limit is not None and num_workers > limit[0]:
+        raise ConfigError(
+            f"num_workers={num_workers} is more worker processes than this machine allows: {limit[0]}, by "
+            f"{limit[1]}; use fewer workers (each steps envs_per_worker envs), or raise the limit"
+        )
+
+
+def _check_strs(config: Any, choices: dict[str, str]) -> None:
+    """Options that are one of a few strings get a str (a numpy array, compared with ``in``,
+    would raise numpy's ambiguous-truth ValueError instead of ours)."""
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r} must be {allowed}")
+
+
+def check_kwargs(name: str, kwargs: Any) -> None:
+    """The keys of keyword arguments (a dict, or None) are strs."""
+    bad = [k for k in kwargs or () if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{name}={kwargs!r:.200} has the key {bad[0]!r}; keyword arguments are named by strs")
+
+
+def check_sendable_to_workers(env_fn: Any, env_kwargs: Any) -> None:
+    """The env factory and its keyword arguments must travel to worker processes (cloudpickle):
+    found out here, not once the workers are started (costs one pickling of each)."""
+    import cloudpickle
+
+    for name, value in (("create_env_fn", env_fn), ("create_env_kwargs", env_kwargs)):
+        if value is None or isinstance(value, str):
+            continue
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any failure to pickle
+            raise ConfigError(
+                f"{name}={value!r:.100} cannot be sent to the worker processes ({type(exc).__name__}: {exc}); "
+                f"pass objects that cloudpickle can pickle (a function, a class, plain data)"
+            ) from exc
 
 
 def check_platform(what: str) -> None:
@@ -179,7 +242,10 @@ class CollectorConfig:
                     f"{self.frames_per_batch}; use {upper}" + (f" or {lower}" if lower else "")
                 )
         _positive_int("num_workers", self.num_workers, allow_zero=True)
+        _check_worker_count(self.num_workers)
         _positive_int("envs_per_worker", self.envs_per_worker)
+        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker'", "traj_format": "'pad' or 'cat'",
+                           "on_worker_failure": "'raise' or 'restart'"})
         if self.delivery not in ("sync", "async"):
             raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
         if self.inference != "worker":
@@ -188,19 +254,25 @@ class CollectorConfig:
                 f"(the policy runs in each worker)"
             )
         if self.policy is not None and self.policy_factory is not None:
-            raise ConfigError("pass either policy or policy_factory, not both")
+            raise ConfigError(
+                f"policy={self.policy!r:.80} and policy_factory={self.policy_factory!r:.80}: pass either policy or "
+                f"policy_factory, not both"
+            )
         if self.policy is not None and not callable(self.policy):
             raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
         factory = self.policy_factory
         if isinstance(factory, (list, tuple)):
             if len(factory) != self.workers:
                 raise ConfigError(
-                    f"policy_factory is a list of {len(factory)} factories but there are {self.workers} workers "
-                    f"(num_workers={self.num_workers}); pass one factory per worker, or a single callable for all"
+                    f"policy_factory={factory!r:.200} is a list of {len(factory)} factories but there are {self.workers} "
+                    f"workers (num_workers={self.num_workers}); pass one factory per worker, or a single callable for all"
                 )
             bad = [i for i, f in enumerate(factory) if not callable(f)]
             if bad:
-                raise ConfigError(f"policy_factory[{bad[0]}]={factory[bad[0]]!r} is not callable")
+                raise ConfigError(
+                    f"policy_factory[{bad[0]}]={factory[bad[0]]!r} is not callable (policy_factory={factory!r:.200}); "
+                    f"pass functions that build the policy"
+                )
             object.__setattr__(self, "policy_factory", tuple(factory))
         elif factory is not None and not callable(factory):
             raise ConfigError(
@@ -209,6 +281,7 @@ class CollectorConfig:
             )
         if self.create_env_kwargs is not None and not isinstance(self.create_env_kwargs, dict):
             raise ConfigError(f"create_env_kwargs={self.create_env_kwargs!r} must be a dict or None")
+        check_kwargs("create_env_kwargs", self.create_env_kwargs)
         envs = self.envs_per_batch
         if self.frames_per_batch % envs:
             who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
@@ -229,19 +302,21 @@ class CollectorConfig:
 
             check_available()
         object.__setattr__(self, "exploration_type", _exploration_name(self.exploration_type))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed={self.seed!r} must be an int or None")
+        check_seed(self.seed, offset=self.seed_offset)
         _positive_int("prefetch", self.prefetch, allow_zero=True)
+        self._check_slot_memory()
         if self.trajs_per_batch is not None:
             _positive_int("trajs_per_batch", self.trajs_per_batch)
             if self.split_trajs:
                 raise ConfigError(
-                    "trajs_per_batch and split_trajs=True both reshape batches into trajectories; "
+                    f"trajs_per_batch={self.trajs_per_batch} and split_trajs=True both reshape batches into trajectories; "
                     "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
                 )
         check_data_options(self.check_finite, self.action_bounds)
         if self.traj_format not in ("pad", "cat"):
             raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' or 'cat'")
+        if not isinstance(self.update_at_each_batch, bool):
+            raise ConfigError(f"update_at_each_batch={self.update_at_each_batch!r} must be True or False")
         if self.update_at_each_batch and self.policy is None:
             raise ConfigError(
                 "update_at_each_batch=True pulls the weights of `policy` before each batch, but no policy "
@@ -249,12 +324,14 @@ class CollectorConfig:
             )
         if self.postproc is not None and not callable(self.postproc):
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
-        if not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
+        if isinstance(self.shutdown_timeout, bool) or not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
         if isinstance(fn, str) and self.num_workers > 0:
             from ._registry import check_sendable
 
             check_sendable(fn)  # the id's spec must reach the worker processes
+        if self.num_workers > 0:
+            check_sendable_to_workers(fn, self.create_env_kwargs)
 
         if self.on_worker_failure not in ("raise", "restart"):
             raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")
@@ -280,6 +357,24 @@ class CollectorConfig:
                     f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
                     f"collector has {self.workers} (indices 0..{self.workers - 1})"
                 )
+
+    @property
+    def seed_offset(self) -> int:
+        """The largest seed derived from ``seed`` is ``seed + seed_offset``: env ``k`` gets
+        ``seed + k``, worker ``w``'s torch generator ``seed + total_envs + w``."""
+        return self.total_envs + self.workers - 1
+
+    def _check_slot_memory(self) -> None:
+        """The batch slots of every worker must fit in this machine's memory."""
+        slots = max(2, self.prefetch + 1)  # as the run allocates them
+        per_worker = "" if self.delivery == "sync" else f" x {self.workers} workers (delivery='async')"
+        frames = slots * self.frames_per_batch * (1 if self.delivery == "sync" else self.workers)
+        check_fits_in_memory(
+            frames * MIN_FRAME_NBYTES,
+            f"frames_per_batch={self.frames_per_batch} with prefetch={self.prefetch} ({slots} batch slots{per_worker} "
+            f"in shared memory, {MIN_FRAME_NBYTES} bytes per frame or more)",
+            "use a smaller frames_per_batch or prefetch",
+        )
 
     def factory_for(self, worker: int) -> Callable[[], Any] | None:
         """The policy factory of ``worker`` (``None``: the workers copy ``policy``)."""

@@ -160,7 +160,10 @@ class EvaluatorConfig:
                 f"pass e.g. 'CartPole-v1' or lambda: gymnasium.make('CartPole-v1')"
             )
         if self.policy is not None and self.policy_factory is not None:
-            raise ConfigError("pass either policy or policy_factory, not both")
+            raise ConfigError(
+                f"policy={self.policy!r:.80} and policy_factory={self.policy_factory!r:.80}: pass either policy or "
+                f"policy_factory, not both"
+            )
         if self.policy is not None and not callable(self.policy):
             raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
         if self.policy_factory is not None and not callable(self.policy_factory):
@@ -173,7 +176,7 @@ class EvaluatorConfig:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"{name}={value!r} is not callable; pass a function or None")
-        if self.busy_policy not in ("skip", "error", "queue"):
+        if not isinstance(self.busy_policy, str) or self.busy_policy not in ("skip", "error", "queue"):
             raise ConfigError(f"busy_policy={self.busy_policy!r} must be 'skip', 'error' or 'queue'")
         _int_at_least("max_queued", self.max_queued, 1, "it bounds the evaluations waiting with busy_policy='queue'")
         _int_at_least("num_envs", self.num_envs, 1, "pass 1 to step a single env")
@@ -184,8 +187,11 @@ class EvaluatorConfig:
             )
         if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
             raise ConfigError(f"env_kwargs={self.env_kwargs!r} must be a dict or None")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed={self.seed!r} must be an int or None")
+        from ._config import check_kwargs
+        from ._limits import check_seed
+
+        check_kwargs("env_kwargs", self.env_kwargs)
+        check_seed(self.seed)  # episode j starts with reset(seed=seed + j); torch's generator gets seed
         if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ConfigError(f"nice={self.nice!r} must be an int from 0 (same priority as the trainer) to 19 (lowest)")
         timeout = self.shutdown_timeout
@@ -234,6 +240,33 @@ def _on_cpu(policy: Any) -> Any:
     return copy.deepcopy(policy).cpu()
 
 
+def _weights_state(weights: Any) -> tuple[str, Mapping[str, Any]]:
+    """``(kind, {name: value})`` of the weights given (not copied); raises :class:`ConfigError`
+    for what is not weights."""
+    from ._weights import named
+
+    torch = sys.modules.get("torch")
+    td = sys.modules.get("tensordict")
+    if torch is not None and isinstance(weights, torch.nn.Module):
+        kind, state = "state_dict", weights.state_dict()
+    elif td is not None and isinstance(weights, td.TensorDictBase):
+        kind, state = "params", dict(weights.flatten_keys(".").items())
+    elif isinstance(weights, Mapping):
+        kind, state = "state_dict", weights
+    else:
+        raise ConfigError(
+            f"{named('weights', weights)} is a {type(weights).__name__}: pass an nn.Module, its state_dict(), "
+            f"TensorDict.from_module(module), or None for the weights the policy was built with"
+        )
+    for name in state:
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"{named('weights', weights)} has a key {name!r}; a state dict's keys are parameter names (str): pass "
+                f"module.state_dict()"
+            )
+    return kind, state
+
+
 def _weights_payload(weights: Any) -> tuple[str, dict] | None:
     """``(kind, {name: tensor})`` to send: a CPU snapshot taken now (training may change the
     parameters before the evaluation runs)."""
@@ -241,22 +274,9 @@ def _weights_payload(weights: Any) -> tuple[str, dict] | None:
         return None
     import torch
 
-    td = sys.modules.get("tensordict")
-    if isinstance(weights, torch.nn.Module):
-        kind, state = "state_dict", weights.state_dict()
-    elif td is not None and isinstance(weights, td.TensorDictBase):
-        kind, state = "params", dict(weights.flatten_keys(".").items())
-    elif isinstance(weights, Mapping):
-        kind, state = "state_dict", dict(weights)
-    else:
-        raise TypeError(
-            f"weights={type(weights).__name__} object: pass an nn.Module, its state_dict(), "
-            f"TensorDict.from_module(module), or None for the weights the policy was built with"
-        )
+    kind, state = _weights_state(weights)
     snapshot = {}
     for name, value in state.items():
-        if not isinstance(name, str):
-            raise TypeError(f"weights has a key {name!r}; a state dict's keys are parameter names (str)")
         snapshot[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     return kind, snapshot
 
@@ -691,7 +711,12 @@ class Evaluator(AsyncResource):
         again on a new worker) unless the restart budget is spent.
         Cancelling the call abandons the evaluation: the worker stops it between two steps and
         no event is emitted for it (unless it had finished already).
+
+        Raises :class:`ConfigError` for a ``step`` that is not an int or ``None``, and for
+        ``weights`` that are no weights (or given to an evaluator without a policy), before
+        anything starts.
         """
+        self._check_request(weights, step)
         await self.start()
         req = self._submit(weights, step, background=False)
         try:
@@ -717,6 +742,7 @@ class Evaluator(AsyncResource):
         then), and :class:`EvaluatorClosedError` after :meth:`aclose`. Call it from a task of
         the event loop the evaluator runs in.
         """
+        self._check_request(weights, step)
         self._raise_background_error()
         if self._state is EvaluatorState.CLOSED:
             raise EvaluatorClosedError("this evaluator is closed; create a new Evaluator")
@@ -758,15 +784,23 @@ class Evaluator(AsyncResource):
         return self._last
 
     # -- the caller's side of requests ----------------------------------------------------------
-    def _submit(self, weights: Any, step: int | None, *, background: bool) -> _Request:
+    def _check_request(self, weights: Any, step: Any) -> None:
+        """The arguments of :meth:`evaluate` / :meth:`trigger` (before anything starts)."""
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise TypeError(f"step={step!r} must be an int or None")
+            raise ConfigError(f"step={step!r} must be an int or None (it tags the metrics: the training step)")
+        if weights is None:
+            return
         c = self.config
-        if weights is not None and c.policy is None and c.policy_factory is None:
-            raise ValueError(
-                "weights were given, but the evaluator has no policy (random actions): build it with "
-                "Evaluator(env, policy) to evaluate weights"
+        if c.policy is None and c.policy_factory is None:
+            from ._weights import named
+
+            raise ConfigError(
+                f"{named('weights', weights)} were given, but the evaluator has no policy (random actions): build it "
+                f"with Evaluator(env, policy) to evaluate weights"
             )
+        _weights_state(weights)
+
+    def _submit(self, weights: Any, step: int | None, *, background: bool) -> _Request:
         payload = _weights_payload(weights)
         self._launch()
         req = _Request(next(self._ids), step, payload, background, anyio.Event())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import string
 from typing import Any, Callable
 
 from ._errors import ConfigError
@@ -48,10 +49,11 @@ class ProfileConfig:
     """Called (in the collector's process, sync or async) with each ProfileTraceReady event."""
 
     def __post_init__(self) -> None:
-        workers = (self.workers,) if isinstance(self.workers, int) else tuple(self.workers)
+        given = self.workers
+        workers = _sequence(given, int)
+        if workers is None or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in workers):
+            raise ConfigError(f"workers={given!r} must be a worker index or a list of them (ints >= 0)")
         object.__setattr__(self, "workers", workers)
-        if any(not isinstance(w, int) or w < 0 for w in workers):
-            raise ConfigError(f"workers={self.workers!r} must be worker indices (ints >= 0)")
         for name in ("num_rollouts", "warmup_rollouts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -61,14 +63,31 @@ class ProfileConfig:
                 f"num_rollouts={self.num_rollouts} must be greater than warmup_rollouts="
                 f"{self.warmup_rollouts}: nothing would be recorded"
             )
-        activities = (self.activities,) if isinstance(self.activities, str) else tuple(self.activities)
+        given = self.activities
+        activities = _sequence(given, str)
+        if not activities or any(not isinstance(a, str) or a not in ACTIVITIES for a in activities):
+            raise ConfigError(f"activities={given!r} must be a non-empty subset of {list(ACTIVITIES)}")
         object.__setattr__(self, "activities", activities)
-        bad = [a for a in activities if a not in ACTIVITIES]
-        if bad or not activities:
-            raise ConfigError(f"activities={self.activities!r} must be a non-empty subset of {list(ACTIVITIES)}")
-        if "{worker_idx}" not in self.save_path and len(workers) + int(self.profile_collector) > 1:
+        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "profile_collector"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        given = self.save_path
+        if isinstance(given, os.PathLike):
+            object.__setattr__(self, "save_path", os.fspath(given))
+        if not isinstance(self.save_path, str):
+            raise ConfigError(f"save_path={given!r} must be a str (or a path), e.g. 'traces/worker_{{worker_idx}}.json'")
+        try:
+            for worker_idx in (0, "collector"):  # what path_for is given
+                self.save_path.format(worker_idx=worker_idx)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
             raise ConfigError(
-                f"save_path={self.save_path!r} needs a '{{worker_idx}}' placeholder: several processes are "
+                f"save_path={given!r} is not a format string whose only field is '{{worker_idx}}' "
+                f"({type(exc).__name__}: {exc}); write a literal brace as '{{{{' or '}}}}'"
+            ) from None
+        fields = {field for _, field, _, _ in string.Formatter().parse(self.save_path) if field is not None}
+        if "worker_idx" not in fields and len(workers) + int(self.profile_collector) > 1:
+            raise ConfigError(
+                f"save_path={given!r} needs a '{{worker_idx}}' placeholder: several processes are "
                 f"profiled and would overwrite each other's trace"
             )
         if self.on_trace_ready is not None and not callable(self.on_trace_ready):
@@ -88,6 +107,16 @@ class ProfileConfig:
             "with_stack": self.with_stack,
             "with_flops": self.with_flops,
         }
+
+
+def _sequence(value: Any, single: type) -> tuple | None:
+    """``value`` as a tuple: one ``single`` alone, or the items of a list, tuple, set or range
+    (``None`` for anything else: a dict, a str of the wrong kind, an object)."""
+    if isinstance(value, single) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple, set, frozenset, range)):
+        return tuple(value)
+    return None
 
 
 class Recorder:

@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor, is_non_tensor
 
 from ._errors import ConfigError, SpecError
+from ._limits import check_fits_in_memory
 from ._samplers import Key, Sampler, SamplingError, StoredFrames, UniformSampler
 
 __all__ = ["ReplayBuffer"]
@@ -23,7 +24,35 @@ def _key(key: str | tuple[str, ...]) -> Key:
 def _check_batch_size(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where}: batch_size must be an int >= 1, got {value!r}.")
+    check_fits_in_memory(  # a sample's indices alone are int64
+        8 * value, f"{where}: batch_size={value} (8 bytes per sampled frame for its index alone)",
+        "sample fewer frames at a time",
+    )
     return value
+
+
+def _check_device(device: Any) -> torch.device | None:
+    """``device`` as a :class:`torch.device`; one that is malformed or absent here is refused."""
+    if device is None:
+        return None
+    fix = "pass None (the first batch's device), 'cpu', 'cuda', 'cuda:<index>' or a torch.device"
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise ConfigError(f"ReplayBuffer: device must be a torch.device or a str, got {device!r}; {fix}.")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"ReplayBuffer: device={device!r} is not a device ({exc}); {fix}.") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            have = f"{count} CUDA device(s)" if count else "no CUDA device"
+            raise ConfigError(f"ReplayBuffer: device={device!r} is not available: this machine has {have}; {fix}.")
+    else:
+        backend = getattr(torch, dev.type, None)  # torch.mps, torch.xpu ...
+        available = getattr(backend, "is_available", None)
+        if callable(available) and not available():
+            raise ConfigError(f"ReplayBuffer: device={device!r} is not available on this machine; {fix}.")
+    return dev
 
 
 class ReplayBuffer:
@@ -91,6 +120,10 @@ class ReplayBuffer:
                 f"ReplayBuffer: capacity must be an int >= 1 (the number of frames it holds), "
                 f"got {capacity!r}."
             )
+        check_fits_in_memory(  # its bookkeeping alone takes 8 bytes per frame, on the CPU
+            8 * capacity, f"ReplayBuffer: capacity={capacity} (8 bytes per frame before any data)",
+            "use a smaller capacity",
+        )
         if sampler is None:
             sampler = UniformSampler()
         elif not isinstance(sampler, Sampler):
@@ -111,7 +144,7 @@ class ReplayBuffer:
         self._sampler = sampler
         self.batch_size: int | None = batch_size
         """Default number of frames :meth:`sample` returns."""
-        self._device = torch.device(device) if device is not None else None
+        self._device = _check_device(device)
         self._generator = generator
         self._storage: TensorDict | None = None
         self._columns: dict[Key, torch.Tensor] = {}

@@ -65,6 +65,23 @@ def _key(key: str | tuple[str, ...]) -> Key:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+def _entry_key(key: Any, who: str, name: str) -> Key:
+    """An entry name given by the user: a str or a non-empty tuple of non-empty strs."""
+    parts = (key,) if isinstance(key, str) else key
+    if not isinstance(parts, tuple) or not parts or not all(isinstance(k, str) and k for k in parts):
+        raise ConfigError(
+            f"{who}: {name} must name an entry of the batches, a str or a tuple of strs "
+            f"(e.g. ('collector', 'traj_ids')), got {key!r}."
+        )
+    return parts
+
+
+def _flag(value: Any, who: str, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{who}: {name} must be True or False, got {value!r}.")
+    return value
+
+
 def _check_scalar_entry(storage: TensorDictBase, key: Key, who: str, role: str) -> None:
     """The sampler reads ``key`` as one number per frame; say clearly when it cannot."""
     value = storage.get(key, None)
@@ -143,7 +160,7 @@ class UniformSampler(Sampler):
     """
 
     def __init__(self, replacement: bool = True) -> None:
-        self.replacement = bool(replacement)
+        self.replacement = _flag(replacement, "UniformSampler", "replacement")
 
     def sample(self, frames, batch_size, generator):
         n = frames.size
@@ -224,7 +241,7 @@ class StalenessAwareSampler(Sampler):
                 f"-> weight tensor), got {staleness_weight_fn!r}."
             )
         self._weight_fn = staleness_weight_fn or inverse_staleness
-        self._version_key = _key(version_key)
+        self._version_key = _entry_key(version_key, "StalenessAwareSampler", "version_key")
         self._consumer_version = 0
         self._cache: tuple[Any, ...] | None = None
         self._versions_cache: tuple[object, torch.Tensor] | None = None
@@ -415,8 +432,8 @@ class SliceSampler(Sampler):
         if isinstance(slice_len, bool) or not isinstance(slice_len, int) or slice_len < 1:
             raise ConfigError(f"SliceSampler: slice_len must be an int >= 1, got {slice_len!r}.")
         self.slice_len = slice_len
-        self.traj_key = _key(traj_key)
-        self.strict_length = bool(strict_length)
+        self.traj_key = _entry_key(traj_key, "SliceSampler", "traj_key")
+        self.strict_length = _flag(strict_length, "SliceSampler", "strict_length")
         self.sample_keys = () if self.strict_length else (_MASK,)
         self._cache: tuple[object, tuple[torch.Tensor, ...]] | None = None
 

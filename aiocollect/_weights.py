@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ._errors import ConfigError
+
 _HEADER_WORDS = 8  # seq0, seq1, latest (-1: nothing yet), version0, version1, unused...
 _ALIGN = 64
 ROOT = "policy"  # the model id of a worker's whole policy; "policy.<path>" names a submodule
@@ -75,8 +77,8 @@ class WeightLayout:
         """``(prefix, names)``: the tensors of model ``model_id``, ``"policy"`` (all of them) or
         ``"policy.<submodule path>"`` (those under that path, as ``get_submodule`` spells it;
         the ``module.`` of a TensorDictModule the workers unwrap may be left in or out)."""
-        if not isinstance(model_id, str) or not (model_id == ROOT or model_id.startswith(ROOT + ".")):
-            raise ValueError(
+        if not is_model_id(model_id):
+            raise ConfigError(
                 f"model_id={model_id!r}: a model is the workers' policy, 'policy', or one of its submodules, "
                 f"'policy.<path>' (e.g. {self._examples()})"
             )
@@ -90,7 +92,7 @@ class WeightLayout:
             names = tuple(n for n in self.names if n.startswith(p + "."))
             if names:
                 return p + ".", names
-        raise ValueError(
+        raise ConfigError(
             f"model_id={model_id!r}: the workers' policy has no submodule {path!r} with weights; "
             f"its submodules with weights include {self._examples()}"
         )
@@ -112,9 +114,16 @@ class WeightLayout:
         return next(i for i, n in enumerate(self.names) if n.startswith(prefix))
 
 
-class WeightsMismatchError(KeyError):
-    """The weights given lack tensors of the model they are for (a ``KeyError`` whose message
-    is printed as it is)."""
+def is_model_id(model_id: Any) -> bool:
+    """``"policy"``, or ``"policy.<path>"`` with a path of non-empty names (as ``get_submodule`` takes)."""
+    if not isinstance(model_id, str):
+        return False
+    return model_id == ROOT or (model_id.startswith(ROOT + ".") and all(model_id[len(ROOT) + 1:].split(".")))
+
+
+class WeightsMismatchError(ConfigError, KeyError):
+    """The weights given to ``update_weights`` lack tensors of the model they are for. A
+    :class:`ConfigError` (and, as it was first, a ``KeyError``) whose message is printed as it is."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -245,10 +254,11 @@ class WeightReader:
         return applied
 
 
-def state_of(obj: Any) -> dict[str, Any]:
+def state_of(obj: Any, argument: str = "policy_or_weights") -> dict[str, Any]:
     """A name -> tensor mapping from what a user passes to ``update_weights``: an ``nn.Module``
     (or ``TensorDictModule``, unwrapped as the workers unwrap it), a ``TensorDict`` of
-    parameters (``TensorDict.from_module``) or a state dict."""
+    parameters (``TensorDict.from_module``) or a state dict (str keys). Anything else raises
+    :class:`ConfigError` naming ``argument``."""
     import torch
 
     from ._policy import classify
@@ -257,22 +267,53 @@ def state_of(obj: Any) -> dict[str, Any]:
         kind, fn, _, _ = classify(obj)
         module = fn if isinstance(fn, torch.nn.Module) else obj
         return dict(module.state_dict())
-    flatten = getattr(obj, "flatten_keys", None)
-    if flatten is not None and hasattr(obj, "batch_size"):  # a TensorDict
+    if _is_tensordict(obj):
         return dict(obj.flatten_keys(".").items())
     if isinstance(obj, Mapping):
+        bad = [k for k in obj if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(
+                f"{named(argument, obj)} has the key {bad[0]!r}: a state dict is keyed by parameter names (strs); pass "
+                f"module.state_dict(), TensorDict.from_module(module) or the module"
+            )
         return dict(obj)
-    raise TypeError(
-        f"update_weights() takes an nn.Module, a TensorDict of parameters or a state dict, "
-        f"not {type(obj).__name__}"
+    raise ConfigError(
+        f"{argument}={obj!r:.80} (of type {type(obj).__name__}) is not weights: update_weights() takes an nn.Module, "
+        f"a TensorDict of parameters (TensorDict.from_module(module)) or a state dict (module.state_dict())"
     )
 
 
-def match_state(state: Mapping[str, Any], layout: WeightLayout, model_id: str = ROOT, whole: bool = False) -> dict[str, Any]:
+def named(argument: str, value: Any) -> str:
+    """``argument=value`` for a message, or ``argument`` alone when the value's repr is long."""
+    text = repr(value)
+    return f"{argument}={text}" if len(text) <= 60 and "\n" not in text else argument
+
+
+def _is_tensordict(obj: Any) -> bool:
+    return getattr(obj, "flatten_keys", None) is not None and hasattr(obj, "batch_size")
+
+
+def check_weights(obj: Any, argument: str) -> None:
+    """What can be told of weights before the workers' policy is known (:func:`state_of`'s checks)."""
+    import torch
+
+    if not isinstance(obj, torch.nn.Module) and not _is_tensordict(obj):
+        state_of(obj, argument)
+
+
+def match_state(
+    state: Mapping[str, Any], layout: WeightLayout, model_id: str = ROOT, whole: bool = False,
+    argument: str = "policy_or_weights",
+) -> dict[str, Any]:
     """The tensors of model ``model_id`` (see :meth:`WeightLayout.select`) from ``state``, keyed
     by their names in ``layout``. ``state`` is keyed as that model names them (a ``module.``
     prefix, as a TensorDictModule's own state dict has, is dropped when that makes the names
-    match), or as the whole policy names them when ``whole``. Shapes must match the layout's."""
+    match), or as the whole policy names them when ``whole``. Each must be a tensor with data,
+    of the layout's shape and of a dtype that casts to the layout's safely (``float64`` to
+    ``float32`` does, ``float`` to ``int64`` or ``complex`` to ``float`` does not); else
+    :class:`ConfigError` (:class:`WeightsMismatchError` for missing tensors) naming ``argument``."""
+    import torch
+
     prefix, names = layout.select(model_id)
     if whole:
         prefix = ""
@@ -291,16 +332,29 @@ def match_state(state: Mapping[str, Any], layout: WeightLayout, model_id: str = 
             raise WeightsMismatchError(
                 f"the weights given for {model_id!r} lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
                 f"workers' {what} (it has {len(want)} tensors: {listed}{' ...' if len(want) > 5 else ''}); pass "
-                f"that module, TensorDict.from_module(module) or module.state_dict()"
+                f"that module, TensorDict.from_module(module) or module.state_dict() as {named(argument, state)}"
             )
     out = {}
     shapes = dict(zip(layout.names, layout.shapes))
+    dtypes = dict(zip(layout.names, layout.dtypes))
     for name, key in zip(names, want):
         value = state[key]
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
+            what = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.layout} tensor on {value.device}"
+            raise ConfigError(
+                f"{argument} has {key!r} = {value!r:.60}, {what}, for {model_id!r}: the weights must be dense "
+                f"tensors with data; pass module.state_dict() or TensorDict.from_module(module)"
+            )
         if tuple(value.shape) != shapes[name]:
-            raise ValueError(
-                f"the weights given for {model_id!r} have {key!r} of shape {tuple(value.shape)}, but the workers' "
-                f"policy has it of shape {shapes[name]}: the model differs from the one the workers built"
+            raise ConfigError(
+                f"the weights given for {model_id!r} ({argument}) have {key!r} of shape {tuple(value.shape)}, but the "
+                f"workers' policy has it of shape {shapes[name]}: the model differs from the one the workers built"
+            )
+        target = torch.from_numpy(np.empty(0, dtype=np.dtype(dtypes[name]))).dtype
+        if not torch.can_cast(value.dtype, target):
+            raise ConfigError(
+                f"the weights given for {model_id!r} ({argument}) have {key!r} of dtype {value.dtype}, which does "
+                f"not cast safely to the workers' {target}: the model differs from the one the workers built"
             )
         out[name] = value
     return out

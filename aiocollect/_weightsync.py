@@ -4,17 +4,68 @@ passes to ``update_weights`` into the tensors of each worker's policy."""
 
 from __future__ import annotations
 
+import operator
 import os
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import anyio
 
 from . import _shm
 from . import events as ev
-from ._errors import AiocollectError, BrokenWorkerError
+from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 
 _KEEP = 1024  # publication times kept for the latency of WeightsApplied
+
+
+class Updates(dict):
+    """What ``update_weights`` was given, ``{model id: weights or None}``, and how: through
+    ``weights_dict`` or ``policy_or_weights`` (with ``model_id``), so that errors name it."""
+
+    def __init__(self, updates: Mapping[str, Any], *, from_dict: bool) -> None:
+        super().__init__(updates)
+        self.from_dict = from_dict
+
+    def argument(self, model_id: str) -> str:
+        return f"weights_dict[{model_id!r}]" if self.from_dict else "policy_or_weights"
+
+
+def _argument(updates: Mapping[str, Any], model_id: str) -> str:
+    name = getattr(updates, "argument", None)
+    return name(model_id) if name is not None else f"the weights for {model_id!r}"
+
+
+def _index(w: Any) -> int | None:
+    """``w`` as a worker index (an int, a numpy or torch integer scalar; never a bool)."""
+    if isinstance(w, bool) or type(w).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(w)
+    except Exception:  # noqa: BLE001 - TypeError, or whatever an odd __index__ raises
+        return None
+
+
+def check_worker_ids(worker_ids: Any, n: int) -> list[int]:
+    """The workers ``worker_ids`` names (``None``: all ``n``), sorted, without repeats; raises
+    :class:`ConfigError` for anything but an index or a non-empty collection of indices < ``n``."""
+    if worker_ids is None:
+        return list(range(n))
+    one = _index(worker_ids)
+    if one is not None:
+        ids: list[int | None] = [one]
+    elif isinstance(worker_ids, (str, bytes, bytearray, Mapping)) or not isinstance(worker_ids, Iterable):
+        ids = []
+    else:
+        try:
+            ids = [_index(w) for w in worker_ids]
+        except Exception:  # noqa: BLE001 - iterable in name only (a 0-d array), or its iteration failed
+            ids = []
+    if not ids or any(i is None or not 0 <= i < n for i in ids):
+        raise ConfigError(
+            f"worker_ids={worker_ids!r:.100}: this collector has workers 0..{n - 1}; pass None (all of them), "
+            f"a worker index or a list of them"
+        )
+    return sorted(set(ids))  # type: ignore[arg-type]
 
 
 class WeightSync:
@@ -71,33 +122,44 @@ class WeightSync:
     def check_model_ids(self, updates: Mapping[str, Any]) -> None:
         """What can be told before the workers' layouts are known (overlaps are found by the
         tensors the ids name, in :meth:`_state_for`)."""
+        from ._weights import is_model_id
+
+        where = "weights_dict has the model id" if getattr(updates, "from_dict", False) else "model_id="
         for a in updates:
-            if not isinstance(a, str) or not (a == "policy" or a.startswith("policy.")):
-                raise ValueError(
-                    f"model_id={a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
+            if not is_model_id(a):
+                raise ConfigError(
+                    f"{where}{a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
                     f"'policy.<path>' (e.g. 'policy.actor')"
                 )
-        if any(w is None for w in updates.values()) and self.policy is None:
-            raise ValueError(
-                "update_weights() needs weights: this collector was built with policy_factory, so it has no "
-                "policy of its own to take them from"
+        missing = [a for a, w in updates.items() if w is None]
+        if missing and self.policy is None:
+            raise ConfigError(
+                f"{_argument(updates, missing[0])}=None: update_weights() needs weights, and this collector was built "
+                f"with policy_factory, so it has no policy of its own to take them from; pass the weights"
             )
 
+    def check_before_start(self, updates: Mapping[str, Any]) -> None:
+        """Before the workers exist: match ``updates`` against the constructor's policy (each
+        worker's replica has its tensors), so that an update that cannot fit starts nothing."""
+        import torch
+
+        from ._weights import WeightLayout, state_of
+
+        if not isinstance(self.policy, torch.nn.Module):
+            return  # built by factories, or not a module: told by the workers' layouts
+        layout = WeightLayout.of(state_of(self.policy, "policy"))
+        if layout.names:
+            self._state_for(layout, updates, None)
+
     def targets(self, worker_ids: Any, n: int) -> list[int]:
-        if worker_ids is None:
-            ids = list(range(n))
-        else:
-            ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-            bad = [w for w in ids if not isinstance(w, int) or not 0 <= w < n]
-            if bad or not ids:
-                raise ValueError(f"worker_ids={worker_ids!r}: this collector has workers 0..{n - 1}")
+        ids = check_worker_ids(worker_ids, n)
         no_weights = [w for w in ids if self.layouts[w] is None]
         if no_weights:
             raise AiocollectError(
                 f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
                 f"has no weights to update (random actions, or a policy that is not an nn.Module)"
             )
-        return sorted(set(ids))
+        return ids
 
     def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
         """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
@@ -106,18 +168,19 @@ class WeightSync:
         state: dict[str, Any] = {}
         owner: dict[str, str] = {}
         for model_id, weights in updates.items():
+            argument = _argument(updates, model_id)
             try:
                 if weights is None:  # the constructor's policy: the model's part of it
-                    part = match_state(state_of(self.policy), layout, model_id, whole=True)
+                    part = match_state(state_of(self.policy), layout, model_id, whole=True, argument="policy")
                 else:
-                    part = match_state(state_of(weights), layout, model_id)
+                    part = match_state(state_of(weights, argument), layout, model_id, argument=argument)
                 both = [n for n in part if n in owner]
                 if both:  # nested ids, or two ids for one submodule (with and without a TensorDictModule's "module.")
-                    raise ValueError(
+                    raise ConfigError(
                         f"model ids {owner[both[0]]!r} and {model_id!r} overlap: both update {both[0]!r} of the "
-                        f"workers' policy; pass one of them"
+                        f"workers' policy; pass one of them in weights_dict"
                     )
-            except (KeyError, ValueError) as exc:
+            except ConfigError as exc:
                 if worker is None:
                     raise
                 raise type(exc)(f"worker {worker}: {exc.args[0]}") from None

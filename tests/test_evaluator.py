@@ -314,9 +314,9 @@ async def test_weights_for_a_random_policy_or_of_a_wrong_type_are_refused_at_the
         with pytest.raises(ValueError, match="no policy"):
             ev.trigger(SignPolicy())
     async with Evaluator("CartPole-v1", SignPolicy(), num_trajectories=1) as ev:
-        with pytest.raises(TypeError, match=r"weights=list.*state_dict"):
+        with pytest.raises(ConfigError, match=r"weights=\[1, 2\] is a list.*state_dict"):
             await ev.evaluate([1, 2])
-        with pytest.raises(TypeError, match=r"step='x'"):
+        with pytest.raises(ConfigError, match=r"step='x'"):
             ev.trigger(step="x")
         assert ev.pending == 0
 
