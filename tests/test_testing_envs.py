@@ -201,6 +201,7 @@ def test_counting_env_hang_blocks_in_the_nth_call_until_interrupted(where):
     proc = _run_child(
         f"""
         import os, signal, threading
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job inherits SIGINT ignored)
         from aiocollect.testing import CountingEnv
         env = CountingEnv(hang_at_step=2, hang_on_reset=3)  # reset(seed=0) is the first reset
         call = env.step if {where!r} == "step" else (lambda action: env.reset())
