@@ -33,7 +33,8 @@ case "$cmd" in
     if [ $# -gt 0 ] || [ "${AIOCOLLECT_SKIP_TORCHRL:-0}" = 1 ]; then
       exec "$VENV/bin/python" -m pytest "$@"
     fi
-    "$VENV/bin/python" -m pytest
+    # two test processes (CI has 2 cores; the tests mostly wait on worker processes)
+    "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}"
     echo "[test] the main suite passed; now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
     exec bash scripts/torchrl-compat.sh ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;

@@ -50,7 +50,7 @@ fi
 if [ $# -eq 0 ]; then
   # the TorchRL interop tests, then aiocollect's own tensordict-heavy modules on tensordict 0.14
   set -- tests/test_torchrl.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
-    tests/test_trajs.py -q -x -p no:cacheprovider
+    tests/test_trajs.py -q -x -p no:cacheprovider -n "${AIOCOLLECT_TEST_JOBS:-2}"
 fi
 echo "[test] $VENV/bin/python -m pytest $*"
 exec "$VENV/bin/python" -m pytest "$@"
