@@ -9,7 +9,7 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence, TypeVar
 
 import anyio
 
@@ -49,9 +49,11 @@ class Collector(AsyncResource):
     ``("collector", "mask")``.
 
     **What is copied.** Workers write frames in place into preallocated shared-memory slots (two
-    or more per worker). When a batch is delivered its tensors are copied out of the slots once
-    (a ``torch.cat`` over workers), and the slots go back to the workers: a batch you receive is
-    yours, stays valid after the next one arrives, and may be modified in place.
+    or more per worker, every worker's rows of a slot side by side). When a batch is delivered
+    its tensors are copied out of the slots once (one contiguous copy per key), and the slots go
+    back to the workers: a batch you receive is yours, stays valid after the next one arrives,
+    and may be modified in place. With ``zero_copy=True`` nothing is copied: the batch is a view
+    on the slots, valid until you ask for the next batch (see :class:`CollectorConfig`).
 
     **Lifecycle.** ``async with Collector(...)`` starts on entry and closes on exit; or ``await
     start()`` / ``await aclose()`` (for notebooks: the collector's own tasks do not belong to the
@@ -106,6 +108,7 @@ class Collector(AsyncResource):
         progress: bool = False,
         seed: int | None = None,
         prefetch: int = 2,
+        zero_copy: bool | Literal["debug"] = False,
         shutdown_timeout: float = 5.0,
         postproc: Callable[["TensorDict"], Any] | None = None,
         update_at_each_batch: bool = False,
@@ -138,6 +141,7 @@ class Collector(AsyncResource):
             progress=progress,
             seed=seed,
             prefetch=prefetch,
+            zero_copy=zero_copy,
             shutdown_timeout=shutdown_timeout,
             postproc=postproc,
             update_at_each_batch=update_at_each_batch,

@@ -185,6 +185,14 @@ class CollectorConfig:
     """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
     prefetch: int = 2
     """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
+    zero_copy: bool | Literal["debug"] = False
+    """Deliver each batch as views on the workers' shared memory instead of a copy (TorchRL's
+    ``return_same_td``, without the reuse of one TensorDict). A batch stays valid until the
+    consumer asks for the next one (the next ``async for`` step or ``collect()``) or the collector
+    closes; then its memory goes back to the workers, which write new frames into it. Keep data
+    longer by copying it (``batch.clone()``, ``replay_buffer.extend(batch)``). Never write into it.
+    ``"debug"``: reading a batch after it was handed back crashes the process with a traceback
+    (the memory is protected) instead of silently reading newer frames."""
     shutdown_timeout: float = 5.0
     """Seconds a worker gets to close its envs and exit before it is killed."""
     postproc: Callable[[Any], Any] | None = None
@@ -304,6 +312,13 @@ class CollectorConfig:
         object.__setattr__(self, "exploration_type", _exploration_name(self.exploration_type))
         check_seed(self.seed, offset=self.seed_offset)
         _positive_int("prefetch", self.prefetch, allow_zero=True)
+        if self.zero_copy not in (False, True, "debug") or type(self.zero_copy) not in (bool, str):
+            raise ConfigError(f"zero_copy={self.zero_copy!r} must be False, True or 'debug'")
+        if self.zero_copy and self.trajs_per_batch is not None:
+            raise ConfigError(
+                f"zero_copy={self.zero_copy!r} and trajs_per_batch={self.trajs_per_batch} cannot be combined: "
+                "trajs_per_batch keeps frames across batches, so it copies them anyway; drop zero_copy"
+            )
         self._check_slot_memory()
         if self.trajs_per_batch is not None:
             _positive_int("trajs_per_batch", self.trajs_per_batch)
@@ -364,9 +379,15 @@ class CollectorConfig:
         ``seed + k``, worker ``w``'s torch generator ``seed + total_envs + w``."""
         return self.total_envs + self.workers - 1
 
+    @property
+    def num_slots(self) -> int:
+        """Batch slots per worker: ``prefetch`` ahead, one being filled, and with ``zero_copy``
+        one more held by the consumer."""
+        return max(2, self.prefetch + 1) + (1 if self.zero_copy else 0)
+
     def _check_slot_memory(self) -> None:
         """The batch slots of every worker must fit in this machine's memory."""
-        slots = max(2, self.prefetch + 1)  # as the run allocates them
+        slots = self.num_slots
         per_worker = "" if self.delivery == "sync" else f" x {self.workers} workers (delivery='async')"
         frames = slots * self.frames_per_batch * (1 if self.delivery == "sync" else self.workers)
         check_fits_in_memory(

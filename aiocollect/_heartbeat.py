@@ -45,14 +45,25 @@ class Heartbeat:
         self._words[1] = IDLE << 32
 
 
+def heartbeat_offset(layout: Any, worker: int) -> int:
+    """Where worker ``worker``'s heartbeat lives in the slots' segment: after the slots."""
+    return layout.nbytes + worker * NBYTES
+
+
 def install(buffer: Any, fd: int, offset: int) -> Heartbeat:
     """Worker side: the heartbeat at ``offset`` of ``buffer`` (a mapping of the memfd ``fd``),
     and :mod:`faulthandler` set to write every thread's stack into its dump area on ``SIGUSR1``
-    (through a file descriptor of its own: ``fd`` may be closed after this)."""
+    (through a file descriptor of its own: ``fd`` may be closed after this).
+
+    The segment is shared by every worker, so the descriptor is a new open of the memfd (a file
+    position of its own), not a ``dup`` whose position another worker's seek would move."""
     import faulthandler
     import signal
 
-    dump = os.dup(fd)
+    try:
+        dump = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # pragma: no cover - no /proc: a position shared with the other workers
+        dump = os.dup(fd)
     os.lseek(dump, offset + DUMP_OFFSET, os.SEEK_SET)
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     return Heartbeat(buffer, offset)

@@ -178,37 +178,51 @@ def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[L
 
 @dataclasses.dataclass(frozen=True)
 class SlotLayout:
-    """Where each leaf of one worker's batch slots lives in its shared-memory segment."""
+    """Where each leaf of the batch slots lives in the workers' shared-memory segment.
+
+    One segment holds ``num_slots`` slots for all ``workers``; in a slot, each leaf is one array of
+    ``workers * num_envs`` env rows, worker ``w`` writing rows ``w * num_envs`` to
+    ``(w + 1) * num_envs``. So the parts of a sync batch that sit in the same slot of every worker
+    are one contiguous array per leaf: the batch is a view (``zero_copy``) or one copy per leaf.
+    """
 
     leaves: tuple[Leaf, ...]
-    num_envs: int
+    num_envs: int  # per worker
     frames_per_env: int
     num_slots: int
     offsets: tuple[int, ...]
     slot_nbytes: int
+    workers: int = 1
 
     @classmethod
-    def build(cls, leaves: list[Leaf], num_envs: int, frames_per_env: int, num_slots: int) -> "SlotLayout":
+    def build(
+        cls, leaves: list[Leaf], num_envs: int, frames_per_env: int, num_slots: int, workers: int = 1
+    ) -> "SlotLayout":
         offsets = []
         pos = 0
         for leaf in leaves:
-            nbytes = num_envs * frames_per_env * int(np.prod(leaf.shape, dtype=np.int64)) * leaf.np_dtype.itemsize
+            nbytes = workers * num_envs * frames_per_env * int(np.prod(leaf.shape, dtype=np.int64)) * leaf.np_dtype.itemsize
             pos = -(-pos // _ALIGN) * _ALIGN
             offsets.append(pos)
             pos += nbytes
-        slot_nbytes = -(-max(pos, 1) // 4096) * 4096
-        return cls(tuple(leaves), num_envs, frames_per_env, num_slots, tuple(offsets), slot_nbytes)
+        slot_nbytes = -(-max(pos, 1) // 4096) * 4096  # page-aligned: a slot can be mapped alone
+        return cls(tuple(leaves), num_envs, frames_per_env, num_slots, tuple(offsets), slot_nbytes, workers)
 
     @property
     def nbytes(self) -> int:
         return self.slot_nbytes * self.num_slots
 
-    def views(self, buffer: Any, slot: int) -> dict[Key, np.ndarray]:
-        """numpy views of one slot over ``buffer`` (an mmap or a bytearray)."""
-        base = slot * self.slot_nbytes
+    def views(self, buffer: Any, slot: int, worker: int | None = None, *, mapped_slot: bool = False) -> dict[Key, np.ndarray]:
+        """numpy views of one slot over ``buffer`` (a mapping of the segment, or with
+        ``mapped_slot`` of that slot alone): worker ``worker``'s rows, or every worker's."""
+        base = 0 if mapped_slot else slot * self.slot_nbytes
+        rows = self.num_envs * self.workers
         out = {}
         for leaf, off in zip(self.leaves, self.offsets):
-            shape = (self.num_envs, self.frames_per_env) + leaf.shape
+            shape = (rows, self.frames_per_env) + leaf.shape
             count = int(np.prod(shape, dtype=np.int64))
-            out[leaf.key] = np.frombuffer(buffer, dtype=leaf.np_dtype, count=count, offset=base + off).reshape(shape)
+            array = np.frombuffer(buffer, dtype=leaf.np_dtype, count=count, offset=base + off).reshape(shape)
+            if worker is not None:
+                array = array[worker * self.num_envs : (worker + 1) * self.num_envs]
+            out[leaf.key] = array
         return out

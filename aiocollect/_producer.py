@@ -41,6 +41,41 @@ def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
     return out
 
 
+def whole_slots(layout: SlotLayout, buffer: Any) -> list[dict[Key, torch.Tensor]]:
+    """Per slot: every worker's rows of each leaf, as torch tensors over ``buffer``."""
+    return [{k: torch.from_numpy(v) for k, v in layout.views(buffer, s).items()} for s in range(layout.num_slots)]
+
+
+class Lease:
+    """zero_copy: the slots a delivered batch is a view on, held until the consumer asks for the
+    next batch. With ``zero_copy="debug"`` the batch is a view on mappings of its own, which
+    :meth:`protect` makes unreadable (reading a handed-back batch crashes with a traceback)."""
+
+    __slots__ = ("parts", "mappings")
+
+    def __init__(self, parts: list[tuple["WorkerHandle", int]], mappings: list[Any]) -> None:
+        self.parts = parts
+        self.mappings = mappings
+
+    def protect(self) -> None:
+        for mapping in self.mappings:
+            _protect(mapping)
+        self.mappings = []
+
+
+def _protect(mapping: Any) -> None:
+    """Make a mapping unreadable (PROT_NONE); it is unmapped once nothing refers to it."""
+    import ctypes
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    address = np.frombuffer(mapping, np.uint8).ctypes.data
+    if libc.mprotect(address, len(mapping), 0) != 0:  # pragma: no cover - a kernel refusing it
+        raise OSError(ctypes.get_errno(), "mprotect failed on a zero_copy='debug' batch")
+
+
 def frames_in(batch: "TensorDictBase") -> int:
     mask = batch.get(("collector", "mask"), None)
     return int(mask.sum()) if mask is not None else batch.numel()
@@ -133,12 +168,13 @@ class Producer:
                 w = self.arrivals.popleft()
                 parts = [(w, w.take())]
             t_assemble = time.perf_counter()
-            batch = await self._assemble([(w, slot) for w, (slot, _) in parts])
-            for w, (slot, _) in parts:
-                try:
-                    await w.release(slot)
-                except BrokenWorkerError:
-                    pass  # it died under us: its own task reports it
+            batch, lease = await self._assemble([(w, slot) for w, (slot, _) in parts])
+            if lease is None:  # copied: the slots go back to the workers now
+                for w, (slot, _) in parts:
+                    try:
+                        await w.release(slot)
+                    except BrokenWorkerError:
+                        pass  # it died under us: its own task reports it
             if sync:
                 self.arrivals.clear()
             self.rounds += 1
@@ -161,7 +197,9 @@ class Producer:
                             terminated=terminated, policy_version=info.get("version", 0),
                         ))
             for n, batch in enumerate(outputs):
-                await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing)
+                last = n == len(outputs) - 1  # (a lease goes with the last delivery of a round)
+                await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing,
+                                    lease if last else None)
             if recorder is not None and (path := recorder.after(self.rounds - 1 - run.recorder_from)) is not None:
                 run.recorder = None
                 await run.trace_ready(None, path)
@@ -171,7 +209,9 @@ class Producer:
             await self.drained.wait()  # every batch is in the replay buffer
         run.stop.set()  # total_frames reached: release the workers now
 
-    async def _deliver(self, batch: "TensorDictBase", index: int, counted: list, infos: list, timing: dict) -> None:
+    async def _deliver(
+        self, batch: "TensorDictBase", index: int, counted: list, infos: list, timing: dict, lease: "Lease | None" = None
+    ) -> None:
         """Hooks, post-processing, pause, then into the stream (``counted``: the infos whose
         counters go with this delivery: a round's go with its first)."""
         run, c = self.run, self.run.config
@@ -188,29 +228,55 @@ class Producer:
             ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
             policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
         )
-        await run.send.send((batch, counted, frames))
+        await run.send.send((batch, counted, frames, lease))
 
-    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> "TensorDict":
-        layout: SlotLayout = self.run.layout  # type: ignore[assignment]
-        views = [w.slots.views[slot] for w, slot in parts]
+    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> tuple["TensorDict", Lease | None]:
+        """The batch of ``parts`` (worker, slot): a copy, or with ``zero_copy`` a view on the slots
+        and the lease that holds them. Every worker's rows of a slot sit side by side, so a sync
+        batch whose parts share a slot index (the usual case) is one array per key."""
+        run = self.run
+        layout: SlotLayout = run.layout  # type: ignore[assignment]
+        zero_copy = run.config.zero_copy
+        slot = parts[0][1]
+        whole = len(parts) == layout.workers and all(w.index == i and s == slot for i, (w, s) in enumerate(parts))
+        mappings: list[Any] = []
+        if zero_copy == "debug" and (whole or len(parts) == 1):
+            import mmap
 
-        def copy() -> "TensorDict":
+            mapping = mmap.mmap(run.segment[0], layout.slot_nbytes, offset=slot * layout.slot_nbytes)  # type: ignore[index]
+            mappings.append(mapping)
+            np_views = layout.views(mapping, slot, None if whole else parts[0][0].index, mapped_slot=True)
+            views = [{k: torch.from_numpy(v) for k, v in np_views.items()}]
+        elif whole:
+            views = [run.slot_views[slot]]
+        else:
+            views = [w.slots.views[s] for w, s in parts]
+        share = bool(zero_copy) and len(views) == 1
+
+        def build() -> "TensorDict":
             from tensordict import TensorDict
 
             flat: dict[Key, torch.Tensor] = {}
             for leaf in layout.leaves:
                 tensors = [v[leaf.key] for v in views]
-                flat[leaf.key] = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
-            E = layout.num_envs * len(views)
+                if len(tensors) > 1:
+                    flat[leaf.key] = torch.cat(tensors)
+                else:
+                    flat[leaf.key] = tensors[0] if share else tensors[0].clone()
+            E = layout.num_envs * len(parts)
             T = layout.frames_per_env
             flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
             for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
             return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
 
-        if layout.slot_nbytes * len(views) > _THREAD_COPY_BYTES:
-            return await anyio.to_thread.run_sync(copy)
-        return copy()
+        if not share and layout.slot_nbytes * len(parts) // layout.workers > _THREAD_COPY_BYTES:
+            batch = await anyio.to_thread.run_sync(build)
+        else:
+            batch = build()
+        if not share:
+            return batch, None
+        return batch, Lease(parts, mappings)
 
 
-__all__ = ["Producer", "frames_in"]
+__all__ = ["Lease", "Producer", "frames_in", "whole_slots"]

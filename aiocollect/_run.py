@@ -16,6 +16,7 @@ import copy
 import enum
 import importlib
 import inspect
+import os
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from ._bus import EventBus
 from ._config import CollectorConfig
 from ._errors import (
     AiocollectError,
+    BrokenWorkerError,
     CollectorClosedError,
     ConfigError,
     EndOfCollection,
@@ -38,7 +40,7 @@ from ._errors import (
 from ._launcher import get_launcher
 from ._layout import SlotLayout, frame_leaves
 from ._policy import PolicySpec, describe
-from ._producer import Producer
+from ._producer import Lease, Producer, whole_slots
 from ._profiling import ProfileConfig, Recorder
 from ._resource import unwrap_group, wait_shielded
 from ._rollout import RolloutConfig
@@ -148,6 +150,9 @@ class Run:
         self.workers_ready = False
         self.configs: list[RolloutConfig] = []
         self.layout: SlotLayout | None = None
+        self.segment: tuple[int, Any] | None = None  # the slots' memfd and the collector's mapping of it
+        self.slot_views: list[dict] = []  # per slot: every worker's rows, as torch tensors
+        self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
         self.bar: Any = None
         self.sink: Any = None
         self.paused = 0
@@ -199,8 +204,13 @@ class Run:
         if self.state is State.CREATED:
             self.state = State.STARTING
             self.loop = loop_token()
+            if self.config.zero_copy == "debug":
+                import faulthandler
+
+                if not faulthandler.is_enabled():  # a read of a handed-back batch prints its traceback
+                    faulthandler.enable()
             size = max(self.config.prefetch, 1)
-            self.send, self.recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int]](size)
+            self.send, self.recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int, "Lease | None"]](size)
             self.started = anyio.Event()
             self.done = anyio.Event()
             self.stop = anyio.Event()
@@ -234,6 +244,9 @@ class Run:
         try:
             await wait_shielded(self.done)  # even under task.cancel(): the workers are gone first
         finally:
+            if self.lease is not None:
+                self.lease.protect()  # (the workers are gone: nothing to hand back)
+                self.lease = None
             self.recv.close()
             self.state = State.CLOSED
         if self.error is not None and not self.error_seen:
@@ -278,10 +291,12 @@ class Run:
         self.check_loop()
         if self.ended:
             self.raise_end()
+        if self.lease is not None:  # zero_copy: the consumer is done with the batch it has
+            await self.release_lease()
         self.requested += 1
         self.wake()
         try:
-            batch, parts, frames = await self.recv.receive()
+            batch, parts, frames, self.lease = await self.recv.receive()
         except anyio.EndOfStream:
             if not drain:  # (the drain into a replay buffer is what the runner itself waits for)
                 await self.done.wait()  # the workers are gone before the end is reported
@@ -298,6 +313,17 @@ class Run:
             raise CollectorClosedError("this collector was closed while waiting for a batch") from None
         self.delivered(parts, frames)
         return batch
+
+    async def release_lease(self) -> None:
+        """zero_copy: hand the slots of the consumer's batch back to the workers."""
+        lease, self.lease = self.lease, None
+        assert lease is not None
+        lease.protect()
+        for w, slot in lease.parts:
+            try:
+                await w.release(slot)
+            except (BrokenWorkerError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # it died under us: its own task reports it
 
     def raise_end(self) -> None:
         if self.error is not None:
@@ -518,6 +544,10 @@ class Run:
             raise
         finally:
             self.sync.close()
+            if self.segment is not None:  # (the mapping stays while batch views use it)
+                os.close(self.segment[0])
+                self.segment = None
+            self.slot_views = []
 
     async def _launch(self) -> None:
         c = self.config
@@ -551,17 +581,18 @@ class Run:
                     f"must have the same spaces and every worker's policy the same outputs"
                 )
         leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
-        self.layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, max(2, c.prefetch + 1))
+        self.layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, c.num_slots, len(self.workers))
         store_fds = self.sync.setup([s.get("weights") for s in specs], self.workers)
         if c.num_workers == 0:
-            self.workers[0].setup(self.layout)  # type: ignore[attr-defined]
+            self.segment = self.workers[0].setup(self.layout)  # type: ignore[attr-defined]
             if self.sync.store is not None:
                 await self.workers[0].give_store(self.sync.store)
         else:
             weight_layout = None if self.sync.store is None else self.sync.store.layout
-            await setup_process_slots(
+            self.segment = await setup_process_slots(
                 self.workers, self.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
             )
+        self.slot_views = whole_slots(self.layout, self.segment[1])
         self.workers_ready = True
         self._start_profile()
         if c.progress:

@@ -143,15 +143,15 @@ class Worker(Peer):
             raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
 
     def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int]) -> Any:
-        """Map the slots (and the heartbeat area after them); take the weight store."""
+        """Map the slots (and the heartbeat areas after them, one per worker); take the weight store."""
         try:
-            mm = mmap.mmap(fds[0], layout.nbytes + _heartbeat.NBYTES)
+            mm = mmap.mmap(fds[0], layout.nbytes + layout.workers * _heartbeat.NBYTES)
             if weight_layout is not None:
                 from ._weights import map_store
 
                 self.rollout.add_store(map_store(fds[1], weight_layout))
             if watch:  # a step_timeout: keep a heartbeat, and dump the stack on SIGUSR1
-                self.rollout.heartbeat = _heartbeat.install(mm, fds[0], layout.nbytes)
+                self.rollout.heartbeat = _heartbeat.install(mm, fds[0], _heartbeat.heartbeat_offset(layout, self.rollout.cfg.worker))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -170,7 +170,7 @@ class Worker(Peer):
         msg, fds = self.recv()
         _, layout, weight_layout, free, watch = msg
         mm = self._map(layout, weight_layout, watch, fds)
-        views = [layout.views(mm, s) for s in range(layout.num_slots)]
+        views = [layout.views(mm, s, cfg.worker) for s in range(layout.num_slots)]
         self.free.extend(free)
         if cfg.profile is not None:
             from ._profiling import Recorder

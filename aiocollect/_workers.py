@@ -30,11 +30,11 @@ OnApplied = Callable[[Any, int], Awaitable[None]]
 
 
 class _Slots:
-    """Slot views as torch tensors over one worker's memory (shared or local)."""
+    """Slot views as torch tensors over one worker's rows of the slots' segment."""
 
-    def __init__(self, layout: SlotLayout, buffer: Any) -> None:
+    def __init__(self, layout: SlotLayout, buffer: Any, worker: int) -> None:
         self.layout = layout
-        self.np_views = [layout.views(buffer, s) for s in range(layout.num_slots)]
+        self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
         self.views: list[dict[Key, torch.Tensor]] = [
             {k: torch.from_numpy(v) for k, v in views.items()} for views in self.np_views
         ]
@@ -152,10 +152,11 @@ class ProcessWorker(WorkerHandle):
         await proc.send(("config", cloudpickle.dumps(cfg)))
         return (await proc.expect("spec"))[1]
 
-    def allocate(self, layout: SlotLayout) -> None:
-        self.fd, self.mm = _shm.allocate(layout.nbytes + _heartbeat.NBYTES, f"aiocollect-{os.getpid()}-w{self.index}")
-        self.slots = _Slots(layout, self.mm)
-        self.monitor = _heartbeat.HeartbeatMonitor(self.mm, layout.nbytes)
+    def attach(self, layout: SlotLayout, fd: int, mm: Any) -> None:
+        """Take this seat's rows of the slots' segment (``fd``: a descriptor of its own)."""
+        self.fd, self.mm = fd, mm
+        self.slots = _Slots(layout, mm, self.index)
+        self.monitor = _heartbeat.HeartbeatMonitor(mm, _heartbeat.heartbeat_offset(layout, self.index))
 
     async def give_slots(self, free: list[int]) -> None:
         assert self.proc is not None and self.fd is not None
@@ -311,14 +312,28 @@ async def start_process_workers(
 async def setup_process_slots(
     workers: list[ProcessWorker], layout: SlotLayout, store_fds: dict[int, tuple[int, ...]], weight_layout: Any,
     watch: bool,
-) -> None:
-    """Give each worker its slots (and the shared weight store, if the policy has weights)."""
-    for w in workers:
-        w.allocate(layout)
-        w.weight_layout = weight_layout
-        w.store_fds = store_fds.get(w.index, ())
-        w.watch = watch
-        await w.give_slots(list(range(layout.num_slots)))
+) -> tuple[int, Any]:
+    """Give each worker its slots (and the shared weight store, if the policy has weights).
+
+    Returns the segment (descriptor, mapping) that holds every worker's slots; the caller owns the
+    descriptor (each worker has a duplicate of its own)."""
+    fd, mm = allocate_segment(layout, f"aiocollect-{os.getpid()}-slots")
+    try:
+        for w in workers:
+            w.attach(layout, os.dup(fd), mm)
+            w.weight_layout = weight_layout
+            w.store_fds = store_fds.get(w.index, ())
+            w.watch = watch
+            await w.give_slots(list(range(layout.num_slots)))
+    except BaseException:
+        os.close(fd)  # (each worker closes its own duplicate when it stops)
+        raise
+    return fd, mm
+
+
+def allocate_segment(layout: SlotLayout, name: str) -> tuple[int, Any]:
+    """The shared-memory segment of a run's slots, with a heartbeat area per worker after them."""
+    return _shm.allocate(layout.nbytes + layout.workers * _heartbeat.NBYTES, name)
 
 
 class LocalWorker(WorkerHandle):
@@ -343,10 +358,13 @@ class LocalWorker(WorkerHandle):
             err = _local_error(exc)
             raise err
 
-    def setup(self, layout: SlotLayout) -> None:
-        self.buffer = bytearray(layout.nbytes)
-        self.slots = _Slots(layout, self.buffer)
+    def setup(self, layout: SlotLayout) -> tuple[int, Any]:
+        """Allocate the slots (a memfd like the process backend's, so that zero-copy batches behave
+        alike); returns the segment, owned by the caller."""
+        fd, self.buffer = allocate_segment(layout, f"aiocollect-{os.getpid()}-local")
+        self.slots = _Slots(layout, self.buffer, 0)
         self.free.extend(range(layout.num_slots))
+        return fd, self.buffer
 
     def _wake(self) -> None:
         self.wakeup.set()
@@ -437,6 +455,8 @@ class LocalWorker(WorkerHandle):
             self.recorder.abort()
             self.recorder = None
         self.rollout.close()
+        self.slots = None  # type: ignore[assignment]
+        self.buffer = None  # unmapped once the views are gone
 
     profiled_from = 0
 
@@ -444,7 +464,11 @@ class LocalWorker(WorkerHandle):
 def _local_error(exc: BaseException) -> BaseException:
     if not isinstance(exc, Exception):
         return exc
-    return worker_error(None, None, exc, "".join(traceback.format_exception(exc)))
+    text = "".join(traceback.format_exception(exc))
+    # the rollout's frames hold views on the slots: the error (kept for the consumer) must not
+    # keep the shared memory mapped
+    traceback.clear_frames(exc.__traceback__)
+    return worker_error(None, None, exc, text)
 
 
 __all__ = [

@@ -543,7 +543,7 @@ async def test_shared_memory_is_mapped_during_collection_and_unmapped_after_clos
     async with Collector(CountingEnv, frames_per_batch=16, num_workers=2) as c:
         batch = await c.collect()
         during = _aiocollect_mappings()
-        assert len(during) >= 2, during  # one segment per worker
+        assert len(during) >= 1, during  # one segment for every worker's slots
         assert all("memfd:aiocollect" in line for line in during), during
     del batch
     assert _aiocollect_mappings() == []

@@ -1,0 +1,389 @@
+"""Pixel throughput benchmark: Atari Pong with a random policy, aiocollect against the limit.
+
+What is measured (``--workers`` x ``--envs-per-worker`` envs, default 2 x 4; a random policy, so the
+env and the data path are all there is), for two observation formats (``--obs``):
+
+* ``raw``: ``ALE/Pong-v5`` as registered (210x160x3 uint8 frames, 100,800 bytes; frameskip 4,
+  sticky actions 0.25);
+* ``84x84x4``: ``ALE/Pong-v5`` with ``frameskip=1``, ``AtariPreprocessing`` (frame skip 4, 84x84
+  grey) and ``FrameStackObservation(4)``: 4x84x84 uint8, 28,224 bytes, the usual DQN/PPO input.
+
+Setups, one after the other in this process tree, the limit first and last:
+
+* **limit** -- ``--workers`` independent processes (multiprocessing "spawn"), each stepping its envs
+  in a plain loop with ``action_space.sample()``, resetting at episode ends. No communication, no
+  storage. Frames are counted through a shared counter over one common wall-clock window.
+* **gymnasium AsyncVectorEnv** (``shared_memory=True``, one process per env, as gymnasium does it):
+  a hand-written loop that stores each step's observation, action, reward and flags into a
+  preallocated batch (the same number of frames per batch as aiocollect).
+* **aiocollect**, ``delivery="sync"`` and ``"async"``, copying each batch out of shared memory (the
+  default), and with ``zero_copy=True`` (batches are views on the workers' shared memory, valid until
+  the next batch is requested): ``async for batch in collector`` under anyio + uvloop.
+
+For each: frames/s, the ratio to the limit (the mean of its two runs), the cores this benchmark's
+processes used, the per-core ratio, the CPU busy elsewhere, and the bytes moved per frame: what the
+workers write into shared memory and what the consumer's process copies out of it (the design's
+figures, printed from the batch layout; the limit moves none).
+
+Run (needs ``ale-py``: ``bash scripts/run.sh pixels`` installs it into the repo's .venv)::
+
+    .venv/bin/python benchmarks/pixels.py [--obs raw 84x84x4] [--seconds 6] [--repeat 2]
+
+Every process the benchmark starts is stopped before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file
+from _util import (  # noqa: E402
+    MP_HELPERS,
+    Meter,
+    Result,
+    become_subreaper,
+    child_signals,
+    cpu_snapshot,
+    cpu_usage,
+    log,
+    machine,
+    machine_line,
+    reap,
+    sigterm_as_interrupt,
+)
+
+SEED = 0
+OBS_FORMATS = ("raw", "84x84x4")
+
+
+def make_pong(obs: str = "raw") -> gym.Env:
+    """The benchmark's env (a module-level function: workers get it by value or by reference)."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    if obs == "raw":
+        return gym.make("ALE/Pong-v5")
+    env = gym.make("ALE/Pong-v5", frameskip=1)
+    env = gym.wrappers.AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True, noop_max=30)
+    return gym.wrappers.FrameStackObservation(env, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# the limit
+
+
+def _limit_worker(rank: int, num_envs: int, obs: str, counter: Any, ready: Any, go: Any, stop: Any) -> None:
+    envs = [make_pong(obs) for _ in range(num_envs)]
+    for i, env in enumerate(envs):
+        env.reset(seed=SEED + rank * num_envs + i)
+        env.action_space.seed(SEED + rank * num_envs + i)
+    ready.set()
+    go.wait()
+    try:
+        while not stop.is_set():
+            for env in envs:
+                _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+                if terminated or truncated:
+                    env.reset()
+            counter.value += num_envs
+    finally:
+        for env in envs:
+            env.close()
+
+
+def run_limit(args: argparse.Namespace, obs: str) -> Result:
+    ctx = mp.get_context("spawn")
+    counters = [ctx.RawValue("q", 0) for _ in range(args.workers)]
+    readies = [ctx.Event() for _ in range(args.workers)]
+    go, stop = ctx.Event(), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_limit_worker,
+            args=(rank, args.envs_per_worker, obs, counters[rank], readies[rank], go, stop),
+            name=f"limit-{rank}",
+            daemon=True,
+        )
+        for rank in range(args.workers)
+    ]
+    try:
+        with child_signals():
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + 120.0
+        for p, ready in zip(procs, readies, strict=True):
+            while not ready.wait(0.1):
+                if not p.is_alive():
+                    raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{p.name} not ready after 120 s")
+        go.set()
+        time.sleep(args.warmup)
+        cpu0 = cpu_snapshot()
+        c0, t0 = [c.value for c in counters], time.perf_counter()
+        time.sleep(args.seconds)
+        c1, t1 = [c.value for c in counters], time.perf_counter()
+        cpu1 = cpu_snapshot()
+    finally:
+        stop.set()
+        go.set()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    frames = sum(c1) - sum(c0)
+    return Result("limit", frames / (t1 - t0), frames, t1 - t0, cpu=cpu_usage(cpu0, cpu1))
+
+
+# --------------------------------------------------------------------------------------------------
+# gymnasium AsyncVectorEnv with a hand-written loop
+
+
+def run_async_vector(args: argparse.Namespace, obs: str) -> Result:
+    n = args.workers * args.envs_per_worker
+    steps = args.frames_per_batch // n
+    meter = Meter(args.seconds, args.warmup)
+    with child_signals():
+        envs = gym.vector.AsyncVectorEnv([functools.partial(make_pong, obs)] * n, shared_memory=True, copy=False)
+    clean = False
+    try:
+        observation, _ = envs.reset(seed=SEED)
+        envs.action_space.seed(SEED)
+        shape, dtype = envs.single_observation_space.shape, envs.single_observation_space.dtype
+        while True:
+            batch = {
+                "observation": np.empty((n, steps) + shape, dtype),
+                "next_observation": np.empty((n, steps) + shape, dtype),
+                "action": np.empty((n, steps), np.int64),
+                "reward": np.empty((n, steps), np.float32),
+                "terminated": np.empty((n, steps), bool),
+                "truncated": np.empty((n, steps), bool),
+            }
+            for t in range(steps):
+                action = envs.action_space.sample()
+                batch["observation"][:, t] = observation
+                batch["action"][:, t] = action
+                observation, reward, terminated, truncated, _ = envs.step(action)
+                batch["next_observation"][:, t] = observation
+                batch["reward"][:, t] = reward
+                batch["terminated"][:, t] = terminated
+                batch["truncated"][:, t] = truncated
+            if meter.add(n * steps):
+                break
+        clean = True
+    finally:
+        envs.close(terminate=not clean)
+    result = meter.result("AsyncVectorEnv")
+    frame = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    result.extra = {"shm_write_per_frame": frame, "copy_out_per_frame": 2 * frame}
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# aiocollect
+
+
+async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool, meter: Meter) -> dict:
+    from aiocollect import Collector
+
+    meter.t_section = time.perf_counter()
+    options = {"zero_copy": True} if zero_copy else {}
+    async with Collector(
+        functools.partial(make_pong, obs),
+        None,
+        frames_per_batch=args.frames_per_batch,
+        total_frames=-1,
+        num_workers=args.workers,
+        envs_per_worker=args.envs_per_worker,
+        delivery=delivery,
+        seed=SEED,
+        **options,
+    ) as collector:
+        async for batch in collector:
+            if meter.add(batch.numel()):
+                break
+        layout = collector._run.layout  # (private: the benchmark reads the slot layout)
+        frames = layout.num_envs * layout.frames_per_env
+        written = sum(layout.written_nbytes(leaf) for leaf in layout.leaves) if hasattr(layout, "written_nbytes") else layout.slot_nbytes
+        batch_bytes = sum(t.numel() * t.element_size() for t in batch.values(True, True))
+    return {
+        "shm_write_per_frame": written / frames,
+        "copy_out_per_frame": 0 if zero_copy else batch_bytes / batch.numel(),
+    }
+
+
+def run_aiocollect(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool) -> Result:
+    import anyio
+
+    meter = Meter(args.seconds, args.warmup)
+    extra = anyio.run(_collect, args, obs, delivery, zero_copy, meter, backend_options={"use_uvloop": True})
+    result = meter.result(f"aiocollect {delivery}" + (" zero_copy" if zero_copy else ""))
+    result.extra = extra
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+
+
+def _describe(exc: BaseException) -> str:
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())
+    while len(inner) == 1:
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", ())
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _kb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1000:,.1f}"
+
+
+_COLUMNS = ("frames/s", "ratio", "cores used", "per-core ratio", "busy elsewhere", "shm write kB/f", "copy out kB/f")
+
+
+def _row(name: str, cells: tuple[str, ...]) -> str:
+    return f"{name:<28}" + "".join(f"  {cell:>{max(len(head), 8)}}" for cell, head in zip(cells, _COLUMNS, strict=True))
+
+
+def run_format(args: argparse.Namespace, obs: str) -> dict[str, Any]:
+    stages: list[tuple[str, Any]] = [("limit", functools.partial(run_limit, args, obs))]
+    if not args.skip_gymnasium:
+        stages.append(("AsyncVectorEnv", functools.partial(run_async_vector, args, obs)))
+    for zero_copy in (False, True) if not args.copy_only else (False,):
+        for delivery in ("sync", "async"):
+            name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
+            stages.append((name, functools.partial(run_aiocollect, args, obs, delivery, zero_copy)))
+    stages.append(("limit", functools.partial(run_limit, args, obs)))
+    limits: list[Result] = []
+    results: list[Result] = []
+    for i, (name, fn) in enumerate(stages, 1):
+        log(f"[{obs} {i}/{len(stages)}] {name} ...")
+        try:
+            r = fn()
+        except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
+            r = Result(name, note=f"FAILED: {_describe(exc)}")
+        finally:
+            if name.startswith("aiocollect"):
+                with contextlib.suppress(Exception):
+                    from aiocollect import shutdown_launcher
+
+                    shutdown_launcher()
+            reap(name)
+        if r.fps is not None:
+            log(f"  -> {r.fps:,.0f} frames/s, cores used {r.cpu.get('ours', 0):.2f}, busy elsewhere {r.cpu.get('elsewhere', 0):.2f}")
+        else:
+            log(f"  -> {r.note}")
+        (limits if name == "limit" else results).append(r)
+
+    ok = [r.fps for r in limits if r.fps]
+    limit = sum(ok) / len(ok) if ok else None
+    limit_cpu = sum(r.cpu.get("ours", 0) for r in limits) / max(len(limits), 1)
+    frame_bytes = int(np.prod(make_pong_space(obs).shape))
+    log("")
+    log(f"{obs}: {args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, "
+        f"observation {frame_bytes:,} bytes")  # fmt: skip
+    log(_row("setup", _COLUMNS))
+    if limit:
+        log(_row("limit (mean of 2 runs)", (f"{limit:,.0f}", "1.00", f"{limit_cpu:.2f}", "1.00", "-", "0", "0")))
+    for r in results:
+        if r.fps is None or not limit:
+            log(f"{r.name:<28}  {r.note or 'no limit measured'}")
+            continue
+        per_core = (r.fps / r.cpu["ours"]) / (limit / limit_cpu) if r.cpu.get("ours") and limit_cpu else None
+        log(_row(r.name, (
+            f"{r.fps:,.0f}", f"{r.fps / limit:.2f}", f"{r.cpu.get('ours', 0):.2f}",
+            "-" if per_core is None else f"{per_core:.2f}", f"{r.cpu.get('elsewhere', 0):.2f}",
+            _kb(r.extra.get("shm_write_per_frame")), _kb(r.extra.get("copy_out_per_frame")),
+        )))  # fmt: skip
+    drift = None
+    if len(ok) == 2:
+        drift = abs(ok[1] - ok[0]) / max(ok)
+        log(f"limit at the start / at the end: {ok[0]:,.0f} / {ok[1]:,.0f} frames/s (differ by {drift:.0%})"
+            + ("  <- the machine's load changed: ratios unreliable" if drift > 0.10 else ""))  # fmt: skip
+    return {
+        "obs": obs,
+        "limit_fps": limit,
+        "limit_runs": ok,
+        "limit_drift": drift,
+        "results": {r.name: {**asdict(r), "ratio": (r.fps / limit if r.fps and limit else None)} for r in results},
+    }
+
+
+def make_pong_space(obs: str) -> gym.Space:
+    env = make_pong(obs)
+    try:
+        return env.observation_space
+    finally:
+        env.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--obs", nargs="+", choices=OBS_FORMATS, default=list(OBS_FORMATS), help="observation formats (default both)")
+    p.add_argument("--seconds", type=float, default=6.0, help="measuring window of each setup (default 6)")
+    p.add_argument("--warmup", type=float, default=1.5, help="warm-up discarded before each window (default 1.5 s)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--envs-per-worker", type=int, default=4)
+    p.add_argument("--frames-per-batch", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=1, help="run everything this many times (default 1)")
+    p.add_argument("--skip-gymnasium", action="store_true", help="skip gymnasium's AsyncVectorEnv")
+    p.add_argument("--copy-only", action="store_true", help="skip the zero_copy setups")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    n = args.workers * args.envs_per_worker
+    if args.frames_per_batch % n:
+        p.error(f"--frames-per-batch ({args.frames_per_batch}) must be a multiple of workers x envs-per-worker ({n})")
+    return args
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import ale_py  # noqa: F401
+    except ModuleNotFoundError:
+        log("ale-py is not installed: `.venv/bin/pip install 'ale-py>=0.10'` (or `bash scripts/run.sh pixels`)")
+        return 2
+    become_subreaper()
+    log(f"aiocollect pixel benchmark: ALE/Pong-v5, random policy, {args.workers} workers x {args.envs_per_worker} envs, "
+        f"{args.frames_per_batch} frames/batch, {args.seconds:g} s per setup after {args.warmup:g} s warm-up")  # fmt: skip
+    log(machine_line(machine()))
+    runs = []
+    for k in range(args.repeat):
+        for obs in args.obs:
+            if args.repeat > 1:
+                log(f"\n=== run {k + 1}/{args.repeat}")
+            runs.append(run_format(args, obs))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "pixels", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **machine(),
+                       "args": vars(args), "runs": runs}, f, indent=2)  # fmt: skip
+        log(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    with sigterm_as_interrupt():
+        try:
+            sys.exit(main(parse_args()))
+        except KeyboardInterrupt:
+            log("interrupted; stopping everything this benchmark started")
+            sys.exit(130)
+        finally:
+            with contextlib.suppress(Exception):
+                from aiocollect import shutdown_launcher
+
+                shutdown_launcher()
+            reap("the benchmark", keep=MP_HELPERS, grace_s=1.0)
