@@ -15,11 +15,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
+import numpy as np
 import torch
 
 from . import events as ev
 from ._errors import BrokenWorkerError
 from ._layout import Key, SlotLayout
+from ._pool import ChunkPool
 
 if TYPE_CHECKING:  # pragma: no cover
     from tensordict import TensorDict, TensorDictBase
@@ -39,6 +41,18 @@ def _nest(flat: dict[Key, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[key[-1]] = value
     return out
+
+
+def _aligned(pos: int) -> int:
+    return -(-pos // 64) * 64
+
+
+def out_nbytes(layout: SlotLayout, rows: int) -> int:
+    """Bytes of a copied batch of ``rows`` env rows (its leaves 64-byte aligned in one chunk)."""
+    pos = 0
+    for leaf in layout.leaves:
+        pos = _aligned(pos + rows * layout.frames_per_env * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64)))
+    return max(pos, 1)
 
 
 def whole_slots(layout: SlotLayout, buffer: Any) -> list[dict[Key, torch.Tensor]]:
@@ -67,8 +81,6 @@ def _protect(mapping: Any) -> None:
     """Make a mapping unreadable (PROT_NONE); it is unmapped once nothing refers to it."""
     import ctypes
 
-    import numpy as np
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     address = np.frombuffer(mapping, np.uint8).ctypes.data
@@ -87,6 +99,8 @@ class Producer:
         self.arrivals: deque[WorkerHandle] = deque()  # async delivery: workers with a batch, in order
         self.wakeup = anyio.Event()
         self.drained = anyio.Event()  # background collection: every batch is in the replay buffer
+        # copies of batches go into reused memory: slots ahead, one held, and a few the consumer keeps
+        self.pool = ChunkPool(run.config.num_slots + 2)
         self.rounds = 0  # worker batches collected (what total_frames counts)
         self.produced = 0  # batches sent into the stream (what demand counts)
 
@@ -252,19 +266,28 @@ class Producer:
         else:
             views = [w.slots.views[s] for w, s in parts]
         share = bool(zero_copy) and len(views) == 1
+        E = layout.num_envs * len(parts)
+        T = layout.frames_per_env
+        chunk = None if share else self.pool.take(out_nbytes(layout, E))
 
         def build() -> "TensorDict":
             from tensordict import TensorDict
 
             flat: dict[Key, torch.Tensor] = {}
+            pos = 0
             for leaf in layout.leaves:
                 tensors = [v[leaf.key] for v in views]
+                if chunk is None:
+                    flat[leaf.key] = tensors[0]
+                    continue
+                nbytes = E * T * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
+                out = torch.from_numpy(chunk[pos : pos + nbytes].view(leaf.np_dtype).reshape((E, T) + leaf.shape))
+                pos = _aligned(pos + nbytes)
                 if len(tensors) > 1:
-                    flat[leaf.key] = torch.cat(tensors)
+                    torch.cat(tensors, out=out)
                 else:
-                    flat[leaf.key] = tensors[0] if share else tensors[0].clone()
-            E = layout.num_envs * len(parts)
-            T = layout.frames_per_env
+                    out.copy_(tensors[0])
+                flat[leaf.key] = out
             flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
             for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)

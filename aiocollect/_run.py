@@ -548,6 +548,8 @@ class Run:
                 os.close(self.segment[0])
                 self.segment = None
             self.slot_views = []
+            if self.producer is not None:
+                self.producer.pool.clear()
 
     async def _launch(self) -> None:
         c = self.config

@@ -216,8 +216,8 @@ async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
             if meter.add(batch.numel()):
                 break
         layout = collector._run.layout  # (private: the benchmark reads the slot layout)
-        frames = layout.num_envs * layout.frames_per_env
-        written = sum(layout.written_nbytes(leaf) for leaf in layout.leaves) if hasattr(layout, "written_nbytes") else layout.slot_nbytes
+        frames = layout.workers * layout.num_envs * layout.frames_per_env  # in one slot
+        written = layout.slot_nbytes
         batch_bytes = sum(t.numel() * t.element_size() for t in batch.values(True, True))
     return {
         "shm_write_per_frame": written / frames,

@@ -187,3 +187,22 @@ def test_zero_copy_takes_true_false_or_debug(value):
 def test_zero_copy_refuses_trajs_per_batch_and_says_why():
     with pytest.raises(ConfigError, match="trajs_per_batch keeps frames across batches"):
         Collector("CartPole-v1", frames_per_batch=8, zero_copy=True, trajs_per_batch=2)
+
+
+async def test_copied_batches_reuse_dropped_memory_and_never_touch_a_batch_still_held():
+    """The default (copying) delivery copies into memory of earlier batches once the consumer has
+    dropped them (no page faults per batch), and never into a batch the consumer still holds,
+    even through a single view of one of its tensors."""
+    async with Collector(CountingEnv, frames_per_batch=16, total_frames=16 * 30, num_workers=2,
+                         envs_per_worker=2) as c:
+        kept = await c.collect()
+        expected = kept.clone()
+        view = (await c.collect())["next", "observation"][1:, 2:]  # the rest of that batch is dropped
+        expected_view = view.clone()
+        async for batch in c:
+            check_counting(batch)
+            del batch
+        pool = c._run.producer.pool
+        assert pool.reused >= 20, f"only {pool.reused} of 28 batches reused dropped memory"
+    assert (kept == expected).all(), "a batch the consumer holds was overwritten"
+    assert (view == expected_view).all(), "a view on a held batch was overwritten"
