@@ -25,7 +25,7 @@ processes used, the per-core ratio, the CPU busy elsewhere, and the bytes moved 
 workers write into shared memory and what the consumer's process copies out of it (the design's
 figures, printed from the batch layout; the limit moves none).
 
-Run (needs ``ale-py``: ``bash scripts/run.sh pixels`` installs it into the repo's .venv)::
+Run (needs the ``atari`` extra, ale-py and OpenCV: ``bash scripts/run.sh pixels`` installs it)::
 
     .venv/bin/python benchmarks/pixels.py [--obs raw 84x84x4] [--seconds 6] [--repeat 2]
 
@@ -353,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         import ale_py  # noqa: F401
     except ModuleNotFoundError:
-        log("ale-py is not installed: `.venv/bin/pip install 'ale-py>=0.10'` (or `bash scripts/run.sh pixels`)")
+        log("ale-py is not installed: `pip install 'aiocollect[atari]'` (or `bash scripts/run.sh pixels`, which installs it)")
         return 2
     become_subreaper()
     log(f"aiocollect pixel benchmark: ALE/Pong-v5, random policy, {args.workers} workers x {args.envs_per_worker} envs, "

@@ -6,6 +6,7 @@
 #                                       TorchRL 0.14 compatibility check (scripts/torchrl-compat.sh;
 #                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
+#   bash scripts/run.sh pixels [args]   benchmarks/pixels.py (installs the `atari` extra: ale-py, opencv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,5 +39,8 @@ case "$cmd" in
     echo "[test] the main suite passed; now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
     exec bash scripts/torchrl-compat.sh ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
-  *) echo "usage: bash scripts/run.sh {demo|test|bench} [args]" >&2; exit 2 ;;
+  pixels)
+    "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[atari]"
+    exec "$VENV/bin/python" benchmarks/pixels.py "$@" ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|bench|pixels} [args]" >&2; exit 2 ;;
 esac
