@@ -368,13 +368,13 @@ class Collector(AsyncResource):
             raise ConfigError(f"static_seed={static_seed!r} must be True or False")
         run = self._run
         run.seed, run.static_seed = seed, bool(static_seed)
-        return seed if static_seed else seed + self.config.total_envs
+        return seed if static_seed else seed + run.total_rows
 
     def state_dict(self) -> dict[str, Any]:
         """Counters to resume from: frames and batches delivered, the next trajectory number of
         each env (so trajectory ids stay unique after a resume), and the seeds."""
         run = self._run
-        counters = run.counters or run.start_counters or [0] * self.config.total_envs
+        counters = run.counters or run.start_counters or [0] * run.total_rows
         seed = run.seed
         return {
             "frames": run.frames,
@@ -383,7 +383,7 @@ class Collector(AsyncResource):
             "traj_counters": [k + 1 for k in counters] if run.counters else list(counters),
             "seed": seed,
             "static_seed": run.static_seed,
-            "next_seed": None if seed is None else (seed if run.static_seed else seed + self.config.total_envs),
+            "next_seed": None if seed is None else (seed if run.static_seed else seed + run.total_rows),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -411,7 +411,7 @@ class Collector(AsyncResource):
         check_seed(state.get("next_seed"), "state['next_seed']", offset=self.config.seed_offset)
         if not isinstance(state.get("static_seed", False), bool):
             raise ConfigError(f"state has static_seed={state['static_seed']!r}, not True or False; {fix}")
-        if len(counters) != self.config.total_envs:
+        if not counters or len(counters) % self.config.total_envs:  # (vector envs: checked again at start)
             raise ConfigError(
                 f"state has trajectory counters for {len(counters)} envs, this collector has "
                 f"{self.config.total_envs}; resume with the same num_workers * envs_per_worker"
