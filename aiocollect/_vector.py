@@ -65,9 +65,9 @@ from ._rollout import (
 
 
 def is_envpool(env: Any) -> bool:
-    """An EnvPool env (``envpool.make_gymnasium``/``make_gym``): it is a ``gymnasium.Env`` by
-    class, but batched."""
-    return type(env).__module__.startswith("envpool") and hasattr(env, "all_env_ids")
+    """An EnvPool env (``envpool.make_gymnasium``): batched, though a ``gymnasium.Env`` by class
+    too (and a ``VectorEnv`` in EnvPool >= 1.2)."""
+    return hasattr(env, "all_env_ids") and any(k.__module__.startswith("envpool") for k in type(env).__mro__)
 
 
 def is_vector(env: Any) -> bool:
@@ -189,18 +189,20 @@ class VecEnv:
         self.mode = mode
 
     def _init_envpool(self, env: Any) -> None:
-        self.n = int(len(env.all_env_ids))
-        self.obs_space = env.observation_space  # EnvPool's spaces are those of one sub-env
+        self.n = int(env.config["num_envs"])
+        self.obs_space = env.observation_space  # (EnvPool's spaces are those of one sub-env)
         self.act_space = env.action_space
         self.list_seeds = False
-        self.mode = _NEXT  # EnvPool resets an ended env in its next step (its action is ignored)
-        self.ids = np.asarray(env.all_env_ids)
-        if getattr(env, "config", {}).get("batch_size", self.n) not in (0, self.n):
+        # EnvPool resets an ended env in its next step, whose action it ignores (as gymnasium's
+        # next-step mode does); reset(env_id) resets some envs at once, and answers for them only
+        self.mode = _NEXT
+        batch = int(env.config.get("batch_size", self.n) or self.n)
+        if batch != self.n:
             raise SpecError(
-                f"{self.who} is an EnvPool env in asynchronous mode (batch_size={env.config['batch_size']} of "
-                f"num_envs={self.n}); aiocollect steps every sub-env each step: make it with batch_size=num_envs "
-                f"(the default)"
+                f"{self.who} is an EnvPool env in asynchronous mode (batch_size={batch} of num_envs={self.n}); "
+                f"aiocollect steps every sub-env at each step: make it with batch_size=num_envs (the default)"
             )
+        self.rows = np.arange(self.n)
         self._partial = self._envpool_reset
 
     # -- resets ---------------------------------------------------------------------------------
@@ -212,9 +214,9 @@ class VecEnv:
         """Reset every sub-env (``seeds``: one per sub-env; an env with a single generator gets
         the first). Returns the batched observation."""
         env = self.env
-        if self.envpool:
-            obs, _ = env.reset()
-            return obs
+        if self.envpool:  # seeded when made (envpool.make_gymnasium(seed=...)): reset(seed) is ignored
+            obs, info = env.reset()
+            return self._in_order(obs, info)
         if self.list_seeds:
             seed: Any = None if all(s is None for s in seeds) else list(seeds)
         else:
@@ -232,14 +234,24 @@ class VecEnv:
         return obs
 
     def _envpool_reset(self, mask: np.ndarray) -> Any:
-        ids = self.ids[mask]
-        obs, _ = self.env.reset(ids)
-        # EnvPool answers with the rows of ``ids`` (in its own order, named by info["env_id"])
-        full = _scatter(obs, self.n, np.flatnonzero(mask))
-        return full
+        obs, info = self.env.reset(np.flatnonzero(mask).astype(np.int32))
+        return _scatter(obs, self.n, np.asarray(info["env_id"]))
+
+    def _in_order(self, obs: Any, info: dict) -> Any:
+        """EnvPool names the rows of its answers by ``info["env_id"]``: in the order of the ids."""
+        ids = np.asarray(info["env_id"])
+        if np.array_equal(ids, self.rows):
+            return obs
+        return _scatter(obs, self.n, ids)
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict]:
-        return self.env.step(actions)
+        if not self.envpool:
+            return self.env.step(actions)
+        obs, rew, term, trunc, info = self.env.step(actions)
+        ids = np.asarray(info["env_id"])
+        if not np.array_equal(ids, self.rows):
+            obs, rew, term, trunc = (_scatter(x, self.n, ids) for x in (obs, rew, term, trunc))
+        return obs, rew, term, trunc, info
 
 
 def _scatter(obs: Any, n: int, rows: np.ndarray) -> Any:
