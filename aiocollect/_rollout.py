@@ -415,12 +415,15 @@ class Rollout:
     def batch_info(self) -> dict[str, Any]:
         """What the collector learns with each batch (a small, picklable dict)."""
         return {
-            "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes],
+            "episodes": self._episode_tuples(),
             "traj_counters": self.traj_counters,
             "steps": self.steps,
             "timing": self.timing,
             "version": self.version,
         }
+
+    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
+        return [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes]
 
     def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:
         for _ in self.fill(views, version):

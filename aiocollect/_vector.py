@@ -333,6 +333,7 @@ class VectorRollout(Rollout):
         self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.steps = 0
+        self._ends: list[tuple[np.ndarray, ...]] = []
         counters = cfg.traj_counters
         if counters is not None and len(counters) != self.total_rows:
             raise ConfigError(
@@ -408,20 +409,32 @@ class VectorRollout(Rollout):
                 if row is not None:
                     self._nonfinite_obs(k, c * n + row, dst[row], when)
 
-    def _write_row(self, i: int, obs: Any, bufs: list[np.ndarray], t: int, when: str) -> None:
-        """Write one sub-env's observation (unbatched: a final observation) into row ``i``."""
+    def _write_row(self, i: int, obs: Any, bufs: list[np.ndarray], when: str) -> None:
+        """Write one sub-env's observation (unbatched: a final observation) into row ``i`` of
+        ``bufs`` (``[E, ...]`` each)."""
         values = [obs] if self.single_obs else self.flatten_obs(obs)
         for k, (leaf, space, buf, value) in enumerate(zip(self.obs_leaves, self.obs_spaces, bufs, values)):
             value = check_value(value, leaf, f"env {int(self.env_ids[i])}'s observation {when}", space)
-            buf[i, t] = value
-            if k in self.finite_obs and not np.isfinite(buf[i, t]).all():
-                self._nonfinite_obs(k, i, buf[i, t], when)
+            buf[i] = value
+            if k in self.finite_obs and not np.isfinite(buf[i]).all():
+                self._nonfinite_obs(k, i, buf[i], when)
 
-    def _leaves_of(self, c: int, obs: Any, when: str) -> list[np.ndarray]:
-        """Copy ``c``'s batched observation as checked leaves, ``[n, ...]`` each."""
-        out = [np.empty(leaf.shape, leaf.np_dtype) for leaf in self.batched_leaves]
-        self._write_obs(c, obs, out, None, when, rows=slice(None))
-        return out
+    def _staging(self, T: int) -> dict[str, list[np.ndarray]]:
+        """Time-major buffers for one batch (``[T, E, ...]``: each step writes contiguous rows, and
+        the batch goes into the slot in one copy per key at its end)."""
+        if getattr(self, "_stage_T", None) != T:
+            E = self.rows
+
+            def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
+                return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
+
+            self._stage = {
+                "obs": bufs(self.obs_leaves), "next": bufs(self.obs_leaves), "act": bufs(self.act_leaves),
+                "extras": bufs(self.extra_leaves),
+                "flags": [np.zeros((T, E), np.float32), np.zeros((T, E), bool), np.zeros((T, E), bool)],
+            }
+            self._stage_T = T
+        return self._stage
 
     # -- stepping -------------------------------------------------------------------------------------
     def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
@@ -432,6 +445,12 @@ class VectorRollout(Rollout):
 
     def _check_step(self, c: int, rew: Any, term: Any, trunc: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
+        if (
+            type(rew) is np.ndarray and type(term) is np.ndarray and type(trunc) is np.ndarray
+            and rew.shape == term.shape == trunc.shape == (n,) and term.dtype == trunc.dtype == np.bool_
+            and rew.dtype.kind in "fiu"
+        ):
+            return rew, term, trunc  # the hot path: what gymnasium's vector envs return
         out = []
         for name, value, kinds in (("rewards", rew, "biuf"), ("terminated", term, "b"), ("truncated", trunc, "b")):
             arr = np.asarray(value)
@@ -446,7 +465,9 @@ class VectorRollout(Rollout):
 
     def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
         """Write one batch into ``views`` (see :meth:`Rollout.fill`): each step of the policy is one
-        ``step`` of every vector env; ended sub-envs are reset before the next step."""
+        ``step`` of every vector env; ended sub-envs are reset before the next step. Steps are
+        written into time-major buffers of this process (a step's rows are contiguous there) and
+        copied into the slot once, at the end of the batch."""
         cfg = self.cfg
         vecs, n = self.vecs, self.n
         hb = self.heartbeat
@@ -456,32 +477,30 @@ class VectorRollout(Rollout):
                     hb.begin(RESET, int(self.env_ids[c * n]))
                 obs = vec.reset([None] * n)
                 self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
-            done = np.ones(self.rows, bool)
-            self._new_trajs(done)
-        obs_bufs = [views[leaf.key] for leaf in self.obs_leaves]
-        next_bufs = [views[("next",) + leaf.key] for leaf in self.obs_leaves]
-        act_bufs = [views[leaf.key] for leaf in self.act_leaves]
-        extra_bufs = [views[leaf.key] for leaf in self.extra_leaves]
-        rew_buf = views[("next", "reward")][..., 0]
-        term_buf, trunc_buf = views[("next", "terminated")][..., 0], views[("next", "truncated")][..., 0]
+            self._new_trajs(np.arange(self.rows))
         traj_buf = views[("collector", "traj_ids")]
-        views[("collector", "policy_version")][...] = version
-        for buf, cur in zip(obs_bufs, self.cur_obs):
-            buf[:, 0] = cur
+        T = traj_buf.shape[1]
+        stage = self._staging(T)
+        obs_st, next_st, act_st, extra_st = stage["obs"], stage["next"], stage["act"], stage["extras"]
+        rew_st, term_st, trunc_st = stage["flags"]
+        for st, cur in zip(obs_st, self.cur_obs):
+            st[0] = cur
         first_traj = self.cur_traj.copy()
         guard = self.guard
         same = self.mode == _SAME
         check_finite = cfg.check_finite
         max_len = cfg.max_frames_per_traj
-        episodes: list[EpisodeEnd] = []
+        ends: list[tuple[np.ndarray, ...]] = []  # per step with episode ends: rows, ids, returns, lengths, terminated
         ep_ret, ep_len = self.ep_ret, self.ep_len
         one = len(vecs) == 1
-        T = traj_buf.shape[1]
+        # the hot path: one observation leaf of the leaf's dtype and shape, no NaN check: written as is
+        fast_obs = self.single_obs and not self.finite_obs
+        dtype0, shape0 = self.batched_leaves[0].np_dtype, self.batched_leaves[0].shape
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
         for t in range(T):
-            obs_t = [buf[:, t] for buf in obs_bufs]
+            obs_t = [st[t] for st in obs_st]
             random = self.steps < self.random_calls
             runner = self.random_runner if random else self.runner
             t_policy = clock()
@@ -491,14 +510,16 @@ class VectorRollout(Rollout):
             _, act_arrays, extras = runner.act(obs_t)
             t_env = clock()
             policy_time += t_env - t_policy
-            for buf, arr in zip(act_bufs, act_arrays):
-                buf[:, t] = arr
+            for st, arr in zip(act_st, act_arrays):
+                st[t] = arr
             env_arrays = act_arrays
             if guard is not None and not random:
                 env_arrays = guard.apply(act_arrays, act_arrays, self._action_step)
-            if extra_bufs:
-                for buf, arr in zip(extra_bufs, extras or [0] * len(extra_bufs)):
-                    buf[:, t] = arr
+            if extra_st:
+                for st, arr in zip(extra_st, extras or [0] * len(extra_st)):
+                    st[t] = arr
+            nxt = [st[t] for st in next_st]
+            rew_t, term_t, trunc_t = rew_st[t], term_st[t], trunc_st[t]
             finals: list[tuple[int, dict]] = []  # (copy, info) of same-step copies where episodes ended
             for c, vec in enumerate(vecs):
                 if hb is not None:
@@ -506,21 +527,26 @@ class VectorRollout(Rollout):
                 obs, rew, term, trunc, info = vec.step(self._actions(env_arrays, c))
                 rew, term, trunc = self._check_step(c, rew, term, trunc)
                 if one:
-                    rew_buf[:, t] = rew
-                    term_buf[:, t] = term
-                    trunc_buf[:, t] = trunc
+                    rew_t[...] = rew
+                    term_t[...] = term
+                    trunc_t[...] = trunc
                     ep_ret += rew
                 else:
                     rows = slice(c * n, (c + 1) * n)
-                    rew_buf[rows, t] = rew
-                    term_buf[rows, t] = term
-                    trunc_buf[rows, t] = trunc
+                    rew_t[rows] = rew
+                    term_t[rows] = term
+                    trunc_t[rows] = trunc
                     ep_ret[rows] += rew
                 if same and (term.any() or trunc.any()):
                     finals.append((c, info))
-                self._write_obs(c, obs, next_bufs, t, f"returned by step {self.steps + 1}")
+                if fast_obs and type(obs) is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0:
+                    if one:
+                        nxt[0][...] = obs
+                    else:
+                        nxt[0][c * n : (c + 1) * n] = obs
+                else:
+                    self._write_obs(c, obs, nxt, None, "returned by step")
             ep_len += 1
-            term_t, trunc_t = term_buf[:, t], trunc_buf[:, t]
             ended = env_ended = term_t | trunc_t
             cut = None
             if max_len is not None:
@@ -529,43 +555,64 @@ class VectorRollout(Rollout):
                 if cut.any():
                     trunc_t |= cut
                     ended = env_ended | cut
-            if check_finite:
-                rew_t = rew_buf[:, t]
-                if not np.isfinite(rew_t).all():
-                    row = int(np.flatnonzero(~np.isfinite(rew_t))[0])
-                    raise SpecError(
-                        f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
-                        f"{float(rew_t[row])!r}: not finite (check_finite=True)"
-                    )
+            if check_finite and not np.isfinite(rew_t).all():
+                row = int(np.flatnonzero(~np.isfinite(rew_t))[0])
+                raise SpecError(
+                    f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
+                    f"{float(rew[row - (row // n) * n])!r}: not finite (check_finite=True)"
+                )
             # the next observation of every row: its next obs, or its reset obs after an episode end
-            cur = [buf[:, t + 1] for buf in obs_bufs] if t + 1 < T else self.cur_obs
-            for dst, src in zip(cur, next_bufs):
-                dst[...] = src[:, t]
+            cur = [st[t + 1] for st in obs_st] if t + 1 < T else self.cur_obs
+            for dst, src in zip(cur, nxt):
+                dst[...] = src
             if ended.any():
-                for i in np.flatnonzero(ended).tolist():
-                    episodes.append(EpisodeEnd(
-                        int(self.env_ids[i]), int(self.cur_traj[i]), float(ep_ret[i]), int(ep_len[i]), bool(term_t[i])
-                    ))
-                self._after_ends(ended, env_ended, cut, finals, next_bufs, cur, t)
-                self._new_trajs(ended)
+                rows = np.flatnonzero(ended)
+                # (episodes listed once per batch, from these arrays: no Python object per end here)
+                ends.append((rows, self.cur_traj[rows], ep_ret[rows], ep_len[rows], term_t[rows]))
+                self._after_ends(rows, env_ended, cut, finals, nxt, cur)
+                self._new_trajs(rows)
             self.steps += 1
             yield
         env_time += clock() - t_env
         if hb is not None:
             hb.idle()
         self.timing = {"env": env_time, "policy": policy_time}
-        write_traj_ids(traj_buf, term_buf | trunc_buf, first_traj, self.total_rows)
+        # into the slot: one copy per key ([T, E, ...] -> [E, T, ...])
+        for leaf, st in zip(self.obs_leaves, obs_st):
+            np.copyto(views[leaf.key], st.swapaxes(0, 1))
+        for leaf, st in zip(self.obs_leaves, next_st):
+            np.copyto(views[("next",) + leaf.key], st.swapaxes(0, 1))
+        for leaf, st in zip(self.act_leaves + self.extra_leaves, act_st + extra_st):
+            np.copyto(views[leaf.key], st.swapaxes(0, 1))
+        views[("next", "reward")][..., 0] = rew_st.T
+        views[("next", "terminated")][..., 0] = term_st.T
+        views[("next", "truncated")][..., 0] = trunc_st.T
+        views[("collector", "policy_version")][...] = version
+        write_traj_ids(traj_buf, (term_st | trunc_st).T, first_traj, self.total_rows)
         self.batches += 1
-        self.episodes = episodes
+        self._ends = ends
+
+    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
+        """The episodes that ended in the last batch, in the order they ended: (env, trajectory id,
+        return, length, terminated), made from the arrays kept per step (a 256-sub-env CartPole
+        ends about a thousand episodes per batch: no object per episode before this)."""
+        if not self._ends:
+            return []
+        rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
+        return list(zip(self.env_ids[rows].tolist(), ids.tolist(), rets.tolist(), lens.tolist(), terms.tolist()))
+
+    @property
+    def episodes(self) -> list[EpisodeEnd]:  # type: ignore[override]
+        return [EpisodeEnd(*e) for e in self._episode_tuples()]
 
     def _after_ends(
-        self, ended: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
-        next_bufs: list[np.ndarray], cur: list[np.ndarray], t: int,
+        self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
+        next_bufs: list[np.ndarray], cur: list[np.ndarray],
     ) -> None:
-        """The rows in ``ended`` ended their episode at step ``t`` (``env_ended``: by the env,
-        ``cut``: by ``max_frames_per_traj``), and ``cur`` (``obs`` at ``t + 1``) holds what the
-        step returned: make ``next_bufs`` hold their true final observation and ``cur`` their
-        reset observation."""
+        """The rows ``rows`` ended their episode in this step (``env_ended``: by the env, ``cut``:
+        by ``max_frames_per_traj``), and ``cur`` (the next step's obs) holds what the step
+        returned: make ``next_bufs`` (this step's next obs) hold their true final observation and
+        ``cur`` their reset observation."""
         n = self.n
         hb = self.heartbeat
         for c, info in finals:  # same-step: the step returned the reset obs, the final one is in info
@@ -576,24 +623,37 @@ class VectorRollout(Rollout):
                     f"has no 'final_obs': a same-step vector env returns the final observations there"
                 )
             for r in np.flatnonzero(env_ended[c * n : (c + 1) * n]).tolist():
-                self._write_row(c * n + r, final_obs[r], next_bufs, t, f"(final) returned by step {self.steps + 1}")
+                self._write_row(c * n + r, final_obs[r], next_bufs, f"(final) returned by step {self.steps + 1}")
         # the rows the env does not reset itself: all in next-step mode, else those cut short
-        need = ended if self.mode != _SAME else cut
-        if need is None or not need.any():
-            return
+        if self.mode == _SAME:
+            if cut is None or not cut.any():
+                return
+            rows = np.flatnonzero(cut)
+        one = len(self.vecs) == 1
         for c, vec in enumerate(self.vecs):
-            mask = need[c * n : (c + 1) * n]
-            if not mask.any():
+            mine = rows if one else rows[(rows >= c * n) & (rows < (c + 1) * n)] - c * n
+            if not len(mine):
                 continue
             if hb is not None:
-                hb.begin(RESET, int(self.env_ids[c * n + int(np.argmax(mask))]))
-            leaves = self._leaves_of(c, vec.reset_rows(mask.copy()), "returned by reset")
-            rows = np.flatnonzero(mask)
-            for d, s in zip(cur, leaves):
-                d[c * n + rows] = s[rows]
+                hb.begin(RESET, int(self.env_ids[c * n + mine[0]]))
+            mask = np.zeros(n, bool)
+            mask[mine] = True
+            obs = vec.reset_rows(mask)
+            at = mine if one else mine + c * n
+            values = [obs] if self.single_obs else self.flatten_obs(obs)
+            for k, (leaf, space, d, value) in enumerate(zip(self.batched_leaves, self.obs_spaces, cur, values)):
+                if type(value) is not np.ndarray or value.dtype is not leaf.np_dtype or value.shape != leaf.shape:
+                    value = check_value(value, leaf, f"{self._what(c)}'s observation returned by reset", space)
+                d[at] = value[mine]
+                if k in self.finite_obs:
+                    row = first_nonfinite(d[at])
+                    if row is not None:
+                        self._nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
 
-    def _new_trajs(self, done: np.ndarray) -> None:
-        self.traj_k[done] += 1
-        self.cur_traj[done] = self.traj_k[done] * self.total_rows + self.env_ids[done]
-        self.ep_ret[done] = 0.0
-        self.ep_len[done] = 0
+    def _new_trajs(self, rows: np.ndarray) -> None:
+        """The rows ``rows`` start a new trajectory."""
+        k = self.traj_k[rows] + 1
+        self.traj_k[rows] = k
+        self.cur_traj[rows] = k * self.total_rows + self.env_ids[rows]
+        self.ep_ret[rows] = 0.0
+        self.ep_len[rows] = 0
