@@ -82,6 +82,17 @@ class Collector(AsyncResource):
     are counted in :meth:`stats`. More than ``max_restarts`` within ``restart_window`` seconds
     raise the last error.
 
+    **Vector envs.** ``create_env_fn`` may return a ``gymnasium.vector.VectorEnv`` (gymnasium's
+    ``gym.make_vec(..., vectorization_mode="vector_entry_point")``, ``SyncVectorEnv``,
+    ``AsyncVectorEnv``, EnvPool's ``envpool.make_gymnasium``): each worker steps its
+    ``envs_per_worker`` copies as batched envs, and each sub-env is one row of the batch, so a
+    batch has ``num_workers * envs_per_worker * num_envs`` rows, with the same data as that many
+    single envs (true final observations, one trajectory id and episode event per sub-env, no
+    frame of a "reset step"). ``num_envs`` is learned when the workers start; ``frames_per_batch``
+    must then be a multiple of the number of rows (else :class:`ConfigError` at start). Vector
+    envs that cannot give such data (next-step autoreset without a way to reset some sub-envs,
+    an unknown autoreset mode) are refused with a :class:`SpecError`. See ``docs/vector-envs.md``.
+
     See :class:`CollectorConfig` for every option.
     """
 
@@ -359,6 +370,8 @@ class Collector(AsyncResource):
         the number of workers. Call before the collector starts.
 
         Returns the next unused seed (``seed + number of envs``), to seed something else with.
+        (With vector envs, whose number of sub-envs is known only once the collector started,
+        it counts each vector env once: take ``state_dict()["next_seed"]`` after the start.)
         Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
         pass torch's limit (``2**64 - 1``).
         """

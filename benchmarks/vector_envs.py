@@ -19,7 +19,9 @@ everywhere):
 
 Each batch-based window discards the first batches (at least 2 and ``--warmup`` seconds), then counts
 frames for ``--seconds``. "cores used" is the CPU time of the benchmark's processes per second of the
-window, "busy elsewhere" that of the rest of the machine (read the ratios on a noisy machine).
+window ("collector process": of the process that runs the collector, in it), "per-core ratio" the frames
+per CPU-second relative to the limit's, "busy elsewhere" the CPU time of the rest of the machine: on a
+noisy machine read the per-core ratio.
 
 Run::
 
@@ -40,7 +42,6 @@ from dataclasses import asdict
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 import torch
 from torch import nn
 
@@ -213,7 +214,7 @@ def run_aiocollect(name: str, make: Any, policy: nn.Module, args: argparse.Names
 # --------------------------------------------------------------------------------------------------
 # report
 
-_COLUMNS = ("frames/s", "ratio to limit", "cores used", "busy elsewhere")
+_COLUMNS = ("frames/s", "ratio to limit", "cores used", "per-core ratio", "collector process", "busy elsewhere")
 
 
 def _row(name: str, cells: tuple[str, ...]) -> str:
@@ -234,7 +235,12 @@ def _table(title: str, limits: list[Result], others: list[Result]) -> dict[str, 
             log(f"{r.name:<40}  {r.note}")
             continue
         ratio = f"{r.fps / limit:.2f}" if limit else "n/a"
-        log(_row(r.name, (f"{r.fps:,.0f}", ratio, _cores(r, "ours"), _cores(r, "elsewhere"))))
+        per_core = "-"
+        if limit and r.cpu.get("ours") and all(x.cpu.get("ours") for x in limits):
+            limit_cores = sum(x.cpu["ours"] for x in limits) / len(limits)
+            per_core = f"{(r.fps / r.cpu['ours']) / (limit / limit_cores):.2f}"
+        main = _cores(r, "main") if r in others else "-"
+        log(_row(r.name, (f"{r.fps:,.0f}", ratio, _cores(r, "ours"), per_core, main, _cores(r, "elsewhere"))))
     if len(ok) == 2:
         drift = abs(ok[1] - ok[0]) / max(ok)
         log(f"limit at the start and the end differ by {drift:.0%}"

@@ -341,3 +341,16 @@ async def test_vector_envs_that_disagree_are_refused():
     with pytest.raises(SpecError, match=r"env 1 of worker 0 has num_envs=3.*env 0 has num_envs=2"):
         await collect_all(lambda: cartpole(next(sizes))(), frames_per_batch=12, total_frames=12, num_workers=0,
                           envs_per_worker=2)
+
+
+async def test_check_finite_names_the_sub_env_and_step_timeout_the_vector_env():
+    """check_finite=True: a NaN observation of a sub-env is a SpecError naming its key and step;
+    a sub-env's step that hangs is a WorkerTimeoutError naming the vector env's first sub-env."""
+    from aiocollect import WorkerTimeoutError
+
+    with pytest.raises(SpecError, match=r"observation.*'observation' returned by step.*not finite"):
+        await collect_all(counting(NEXT, nan_at_step=3), frames_per_batch=12, total_frames=24, num_workers=0,
+                          check_finite=True)
+    with pytest.raises(WorkerTimeoutError, match=r"worker [01] .*is hung: env [03]'s step\(\)"):
+        await collect_all(lambda: gym.vector.SyncVectorEnv([lambda: CountingEnv(hang_at_step=2)] * 3),
+                          frames_per_batch=6 * 4, total_frames=6 * 4, num_workers=2, step_timeout=0.5)
