@@ -84,6 +84,17 @@ class Collector(AsyncResource):
     are counted in :meth:`stats`. More than ``max_restarts`` within ``restart_window`` seconds
     raise the last error.
 
+    **Vector envs.** ``create_env_fn`` may return a ``gymnasium.vector.VectorEnv`` (gymnasium's
+    ``gym.make_vec(..., vectorization_mode="vector_entry_point")``, ``SyncVectorEnv``,
+    ``AsyncVectorEnv``, EnvPool's ``envpool.make_gymnasium``): each worker steps its
+    ``envs_per_worker`` copies as batched envs, and each sub-env is one row of the batch, so a
+    batch has ``num_workers * envs_per_worker * num_envs`` rows, with the same data as that many
+    single envs (true final observations, one trajectory id and episode event per sub-env, no
+    frame of a "reset step"). ``num_envs`` is learned when the workers start; ``frames_per_batch``
+    must then be a multiple of the number of rows (else :class:`ConfigError` at start). Vector
+    envs that cannot give such data (next-step autoreset without a way to reset some sub-envs,
+    an unknown autoreset mode) are refused with a :class:`SpecError`. See ``docs/vector-envs.md``.
+
     See :class:`CollectorConfig` for every option.
     """
 
@@ -363,6 +374,8 @@ class Collector(AsyncResource):
         the number of workers. Call before the collector starts.
 
         Returns the next unused seed (``seed + number of envs``), to seed something else with.
+        (With vector envs, whose number of sub-envs is known only once the collector started,
+        it counts each vector env once: take ``state_dict()["next_seed"]`` after the start.)
         Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
         pass torch's limit (``2**64 - 1``).
         """
@@ -372,13 +385,13 @@ class Collector(AsyncResource):
             raise ConfigError(f"static_seed={static_seed!r} must be True or False")
         run = self._run
         run.seed, run.static_seed = seed, bool(static_seed)
-        return seed if static_seed else seed + self.config.total_envs
+        return seed if static_seed else seed + run.total_rows
 
     def state_dict(self) -> dict[str, Any]:
         """Counters to resume from: frames and batches delivered, the next trajectory number of
         each env (so trajectory ids stay unique after a resume), and the seeds."""
         run = self._run
-        counters = run.counters or run.start_counters or [0] * self.config.total_envs
+        counters = run.counters or run.start_counters or [0] * run.total_rows
         seed = run.seed
         return {
             "frames": run.frames,
@@ -387,7 +400,7 @@ class Collector(AsyncResource):
             "traj_counters": [k + 1 for k in counters] if run.counters else list(counters),
             "seed": seed,
             "static_seed": run.static_seed,
-            "next_seed": None if seed is None else (seed if run.static_seed else seed + self.config.total_envs),
+            "next_seed": None if seed is None else (seed if run.static_seed else seed + run.total_rows),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -415,7 +428,7 @@ class Collector(AsyncResource):
         check_seed(state.get("next_seed"), "state['next_seed']", offset=self.config.seed_offset)
         if not isinstance(state.get("static_seed", False), bool):
             raise ConfigError(f"state has static_seed={state['static_seed']!r}, not True or False; {fix}")
-        if len(counters) != self.config.total_envs:
+        if not counters or len(counters) % self.config.total_envs:  # (vector envs: checked again at start)
             raise ConfigError(
                 f"state has trajectory counters for {len(counters)} envs, this collector has "
                 f"{self.config.total_envs}; resume with the same num_workers * envs_per_worker"

@@ -139,8 +139,10 @@ class CollectorConfig:
     """Every option of :class:`~aiocollect.Collector` (see its docstring for the whole story)."""
 
     create_env_fn: Any
-    """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``
-    (lambdas and classes defined in ``__main__`` or a notebook work: it travels with cloudpickle).
+    """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``, or a
+    ``gymnasium.vector.VectorEnv`` whose sub-envs are then rows of the batch (see
+    ``docs/vector-envs.md``); lambdas and classes defined in ``__main__`` or a notebook work: it
+    travels with cloudpickle.
     Ids registered in this process (``gymnasium.register``, or by importing a plugin such as
     ``ale_py``) can be made in the workers, by id or by a callable that calls ``gymnasium.make``:
     the registry is sent to them at each start."""

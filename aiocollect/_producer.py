@@ -198,7 +198,8 @@ class Producer:
                 run.sync.notify()
             infos = [(w.index, info) for w, (_, info) in parts]
             if trajs is not None:
-                envs = [w.index * c.envs_per_worker + e for w, _ in parts for e in range(c.envs_per_worker)]
+                rows = run.rows_per_worker  # (each sub-env of a vector env is a row)
+                envs = [w.index * rows + e for w, _ in parts for e in range(rows)]
                 outputs = trajs.add(batch, envs)
             else:
                 outputs = [split_trajectories(batch) if c.split_trajs else batch]

@@ -47,15 +47,21 @@ class RolloutConfig:
     action_bounds: ActionBounds = "pass"  # Box actions outside their bounds: "pass", "clip" or "error"
 
 
-def make_env(env_fn: Any, env_kwargs: dict) -> gym.Env:
+def create_env(env_fn: Any, env_kwargs: dict) -> Any:
+    """What ``create_env_fn`` returns (or ``gymnasium.make`` for an id), not checked yet."""
     if isinstance(env_fn, str):
-        env = gym.make(env_fn, **env_kwargs)
-    else:
-        env = env_fn(**env_kwargs)
+        return gym.make(env_fn, **env_kwargs)
+    return env_fn(**env_kwargs)
+
+
+def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
+    """A new env (or ``env``, made already), which must be a ``gymnasium.Env``."""
+    if env is None:
+        env = create_env(env_fn, env_kwargs)
     if not isinstance(env, gym.Env):
         raise TypeError(
             f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
-            f"(vectorized envs are not supported: use envs_per_worker instead)"
+            f"(a Collector also takes a gymnasium.vector.VectorEnv, if create_env_fn returns one every time)"
         )
     return env
 
@@ -96,6 +102,15 @@ def derived_seed(seed: int, env: int, restart: int) -> int:
     return int(np.random.SeedSequence([seed & (2**63 - 1), env, restart]).generate_state(1, np.uint32)[0])
 
 
+def write_traj_ids(traj_buf: np.ndarray, ends: np.ndarray, first_traj: np.ndarray, total_envs: int) -> None:
+    """Fill ``traj_buf`` (``[E, T]``) from each row's first id and its episode ends (``[E, T]``):
+    a new trajectory starts after each end, and ids advance by ``total_envs`` each time."""
+    traj_buf[:, 0] = first_traj
+    np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
+    traj_buf[:, 1:] *= total_envs
+    traj_buf[:, 1:] += first_traj[:, None]
+
+
 @dataclasses.dataclass
 class EpisodeEnd:
     env: int  # global env index
@@ -108,12 +123,13 @@ class EpisodeEnd:
 class Rollout:
     """Steps ``envs_per_worker`` envs; :meth:`fill` writes one batch into a slot's arrays."""
 
-    def __init__(self, cfg: RolloutConfig, local_policy: Any = None) -> None:
+    def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: gym.Env | None = None) -> None:
         self.cfg = cfg
-        self.envs: list[gym.Env] = []
+        self.envs: list[gym.Env] = [] if env is None else [env]  # (``env``: the first, made already)
         try:
             self.obs_space, self.act_space = add_envs(
-                self.envs, cfg.envs_per_worker, cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}", cfg.registry
+                self.envs, cfg.envs_per_worker - len(self.envs), cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}",
+                cfg.registry,
             )
             self._setup(local_policy)
         except BaseException:
@@ -159,7 +175,12 @@ class Rollout:
         for i, (env, seed) in enumerate(zip(self.envs, seeds)):
             obs, _ = env.reset(seed=seed)
             self._set_obs(i, obs, checked=True)
+        self._build_policy(local_policy, E, cfg.total_envs)
 
+    def _build_policy(self, local_policy: Any, num_envs: int, total_envs: int) -> None:
+        """The policy's runner for ``num_envs`` rows (its torch seed comes after the seeds of all
+        ``total_envs`` envs), the random runner, and the weight reader."""
+        cfg = self.cfg
         if cfg.policy.kind != "random" and local_policy is None:
             import torch
 
@@ -169,12 +190,12 @@ class Rollout:
             torch.set_grad_enabled(False)
             if cfg.seed is not None:
                 torch.manual_seed(
-                    derived_seed(cfg.seed, cfg.total_envs + cfg.worker, cfg.restart) if cfg.restart
-                    else cfg.seed + cfg.total_envs + cfg.worker
+                    derived_seed(cfg.seed, total_envs + cfg.worker, cfg.restart) if cfg.restart
+                    else cfg.seed + total_envs + cfg.worker
                 )
         self.random_runner = RandomRunner(self.action_spaces, self.act_leaves)
         self.runner = build_runner(
-            cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, E, self.action_spaces, local_policy
+            cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, num_envs, self.action_spaces, local_policy
         )
         self.extra_leaves = self.runner.probe(self.cur_obs)
         self.batches = 0
@@ -387,24 +408,22 @@ class Rollout:
         rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
         term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T
         trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
-        # a new trajectory starts after each episode end: ids advance by total_envs each time
-        ends = term_buf[..., 0] | trunc_buf[..., 0]
-        traj_buf[:, 0] = first_traj
-        np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
-        traj_buf[:, 1:] *= cfg.total_envs
-        traj_buf[:, 1:] += first_traj[:, None]
+        write_traj_ids(traj_buf, term_buf[..., 0] | trunc_buf[..., 0], first_traj, cfg.total_envs)
         self.batches += 1
         self.episodes = episodes
 
     def batch_info(self) -> dict[str, Any]:
         """What the collector learns with each batch (a small, picklable dict)."""
         return {
-            "episodes": [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes],
+            "episodes": self._episode_tuples(),
             "traj_counters": self.traj_counters,
             "steps": self.steps,
             "timing": self.timing,
             "version": self.version,
         }
+
+    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
+        return [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes]
 
     def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:
         for _ in self.fill(views, version):

@@ -47,6 +47,7 @@ from ._rollout import RolloutConfig
 from ._stats import Stats
 from ._supervisor import RestartBudget, supervise, watchdog
 from ._systask import spawn_system_task
+from ._vector import learn_sub_envs
 from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
 
@@ -153,6 +154,7 @@ class Run:
         self.segment: tuple[int, Any] | None = None  # the slots' memfd and the collector's mapping of it
         self.slot_views: list[dict] = []  # per slot: every worker's rows, as torch tensors
         self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
+        self.sub_envs = 1  # of each env: a vector env's num_envs (learned from the workers' specs)
         self.bar: Any = None
         self.sink: Any = None
         self.paused = 0
@@ -163,6 +165,16 @@ class Run:
         self.task: Any = None
         self.loop: Any = None
         self.producer: Producer | None = None
+
+    @property
+    def rows_per_worker(self) -> int:
+        """Env rows of each worker's batch (its sub-envs, for vector envs)."""
+        return self.config.envs_per_worker * self.sub_envs
+
+    @property
+    def total_rows(self) -> int:
+        """Env rows of all workers (the number of envs, counting each sub-env of a vector env)."""
+        return self.config.total_envs * self.sub_envs
 
     # -- events ---------------------------------------------------------------------------------
     async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
@@ -335,12 +347,11 @@ class Run:
 
     def delivered(self, parts: list[tuple[int, dict]], frames: int) -> None:
         """Account for a batch the consumer received (counters, state_dict, progress)."""
-        c = self.config
         if self.counters is None:
-            self.counters = list(self.start_counters or [0] * c.total_envs)
+            self.counters = list(self.start_counters or [0] * self.total_rows)
+        rows = self.rows_per_worker
         for index, info in parts:
-            base = index * c.envs_per_worker
-            self.counters[base : base + c.envs_per_worker] = info["traj_counters"]
+            self.counters[index * rows : (index + 1) * rows] = info["traj_counters"]
             self.episodes += len(info["episodes"])
         self.frames += frames
         self.batches += 1
@@ -575,6 +586,7 @@ class Run:
             self.configs = self._rollout_configs(policy_specs)
             workers, specs = await start_process_workers(self.configs, needs, get_launcher())
             self.workers = list(workers)
+        self.sub_envs = learn_sub_envs(specs, c, self.start_counters, self.seed)
         batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
         for i, s in enumerate(batch_specs[1:], 1):
             if s != batch_specs[0]:
@@ -583,7 +595,8 @@ class Run:
                     f"must have the same spaces and every worker's policy the same outputs"
                 )
         leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
-        self.layout = SlotLayout.build(leaves, c.envs_per_worker, c.frames_per_env, c.num_slots, len(self.workers))
+        T = c.frames_per_batch // (c.envs_per_batch * self.sub_envs)
+        self.layout = SlotLayout.build(leaves, self.rows_per_worker, T, c.num_slots, len(self.workers))
         store_fds = self.sync.setup([s.get("weights") for s in specs], self.workers)
         if c.num_workers == 0:
             self.segment = self.workers[0].setup(self.layout)  # type: ignore[attr-defined]

@@ -81,10 +81,11 @@ def replacement_config(run: "Run", w: "WorkerHandle") -> RolloutConfig:
     failure cut end there), the random steps it still owes, seeds derived from the restart."""
     c = run.config
     cfg = run.configs[w.index]
-    counters = list(cfg.traj_counters or [0] * c.total_envs)
-    base = w.index * c.envs_per_worker
-    last = w.counters if w.counters is not None else counters[base : base + c.envs_per_worker]
-    counters[base : base + c.envs_per_worker] = [k + 1 for k in last]
+    counters = list(cfg.traj_counters or [0] * run.total_rows)
+    rows = run.rows_per_worker  # (a vector env's sub-envs are rows, each with its counter)
+    base = w.index * rows
+    last = w.counters if w.counters is not None else counters[base : base + rows]
+    counters[base : base + rows] = [k + 1 for k in last]
     return dataclasses.replace(
         cfg,
         traj_counters=tuple(counters),

@@ -160,12 +160,12 @@ class Worker(Peer):
     def run(self) -> None:
         import cloudpickle
 
-        from ._rollout import Rollout
+        from ._vector import open_rollout
 
         self.send(("hello", os.getpid()))
         msg, _ = self.recv()
         cfg = cloudpickle.loads(msg[1])
-        self.rollout = rollout = Rollout(cfg)
+        self.rollout = rollout = open_rollout(cfg)  # a Rollout, or a VectorRollout for vector envs
         self.send(("spec", rollout.spec()))
         msg, fds = self.recv()
         _, layout, weight_layout, free, watch = msg

@@ -22,6 +22,7 @@ from ._child import ChildProcess, started_pids, worker_error
 from ._errors import SpecError
 from ._layout import Key, SlotLayout
 from ._rollout import Rollout, RolloutConfig
+from ._vector import open_rollout
 
 _ENTRY = "aiocollect._worker:serve"
 
@@ -353,7 +354,7 @@ class LocalWorker(WorkerHandle):
 
     def _build(self, cfg: RolloutConfig) -> Rollout:
         try:
-            return Rollout(cfg, local_policy=self.policy)
+            return open_rollout(cfg, local_policy=self.policy)
         except BaseException as exc:
             err = _local_error(exc)
             raise err

@@ -1,0 +1,659 @@
+"""Vector envs in the workers: a ``gymnasium.vector.VectorEnv`` (or an EnvPool env) stepped as
+one batched env, each of its ``num_envs`` sub-envs a row of the batch.
+
+:func:`open_rollout` makes a worker's first env and picks the rollout that fits it:
+:class:`~aiocollect._rollout.Rollout` for a ``gymnasium.Env``, :class:`VectorRollout` for a vector
+env. A worker with ``envs_per_worker`` copies of a vector env of ``num_envs`` sub-envs has
+``envs_per_worker * num_envs`` rows; row ``i`` of worker ``w`` is global env
+``w * envs_per_worker * num_envs + i``, exactly as ``envs_per_worker * num_envs`` single envs
+would be numbered, so seeds, trajectory ids and episode events follow the single-env scheme.
+
+The number of sub-envs is known only once a worker made its env: the worker derives its own counts
+from it (every worker's vector env has the same ``num_envs``, which the collector checks), reports
+it in its spec (``"num_envs"``), and the collector derives the batch layout and its counters from
+it (:func:`learn_sub_envs`). A :class:`~aiocollect._rollout.RolloutConfig` counts env *copies*
+(``total_envs``; ``random_steps`` in frames of each copy) and sub-envs only in ``traj_counters``.
+
+**Autoreset.** A frame of the batch is always a real transition, as with single envs: at an
+episode end ``("next", obs)`` is the true final observation and ``obs`` at ``t + 1`` the reset
+observation. How the reset observation is had depends on the env's
+``metadata["autoreset_mode"]``:
+
+- ``SAME_STEP``: the env resets the sub-env within the step that ends its episode; the returned
+  observation is the reset one and the final one is in ``info["final_obs"]``.
+- ``NEXT_STEP`` (gymnasium's default) and ``DISABLED``: the worker resets the ended sub-envs
+  itself right after the step (a *partial reset*), so that the env never takes the "reset step"
+  whose action it would ignore. A partial reset is ``reset(options={"reset_mask": mask})`` for
+  gymnasium's ``SyncVectorEnv``/``AsyncVectorEnv``, ``reset(env_id)`` for EnvPool, and a few
+  lines for gymnasium's native ``CartPoleVectorEnv`` (which has none of its own).
+
+A vector env in next-step mode without a partial reset cannot give such batches: its reset step
+costs every sub-env that ended an extra call, which the other sub-envs spend on real steps, so
+rows would need different numbers of calls for the same number of frames. It is refused with a
+:class:`SpecError` saying what to use instead.
+
+Imported by worker processes: numpy and gymnasium only (torch through the policy runner).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Iterator
+
+import gymnasium as gym
+import numpy as np
+
+from ._checks import ActionGuard, check_value, first_nonfinite, short
+from ._errors import ConfigError, SpecError
+from ._heartbeat import POLICY, RESET, STEP
+from ._limits import check_seed
+from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves, unflattener
+from ._registry import install as install_registry
+from ._rollout import (
+    EpisodeEnd,
+    Rollout,
+    RolloutConfig,
+    close_envs,
+    create_env,
+    derived_seed,
+    make_env,
+    write_traj_ids,
+)
+
+# -- what kind of env ------------------------------------------------------------------------------
+
+
+def is_envpool(env: Any) -> bool:
+    """An EnvPool env (``envpool.make_gymnasium``): batched, though a ``gymnasium.Env`` by class
+    too (and a ``VectorEnv`` in EnvPool >= 1.2)."""
+    return hasattr(env, "all_env_ids") and any(k.__module__.startswith("envpool") for k in type(env).__mro__)
+
+
+def is_vector(env: Any) -> bool:
+    return isinstance(env, gym.vector.VectorEnv) or is_envpool(env)
+
+
+def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> Rollout:
+    """The rollout of one worker: its first env decides whether it steps single envs or vector
+    envs (every copy must then be of the same kind)."""
+    install_registry(cfg.registry)  # ids registered in the user's process can be made here
+    env = create_env(cfg.env_fn, cfg.env_kwargs)
+    if is_vector(env):
+        return VectorRollout(cfg, local_policy, env)
+    try:
+        env = make_env(cfg.env_fn, cfg.env_kwargs, env)
+    except BaseException:
+        close_envs([env])
+        raise
+    return Rollout(cfg, local_policy, env)
+
+
+def learn_sub_envs(specs: list[dict], config: Any, start_counters: list[int] | None, seed: int | None) -> int:
+    """Collector side, once the workers reported their specs: the sub-envs of each of their envs
+    (a vector env's ``num_envs``; 1 for single envs). Raises :class:`SpecError` when workers
+    disagree, :class:`ConfigError` when ``frames_per_batch`` does not split evenly over the env
+    rows, or the trajectory counters to resume from or the seed do not fit their number."""
+    counts = [int(s.get("num_envs", 1)) for s in specs]
+    n = counts[0]
+    for w, k in enumerate(counts):
+        if k != n:
+            raise SpecError(
+                f"worker {w}'s envs have num_envs={k} sub-envs but worker 0's have {n}: every vector env must have "
+                f"the same num_envs (and every worker's env must be of the same kind)"
+            )
+    if n == 1 and "num_envs" not in specs[0]:
+        return 1  # single envs: the config checked all this at construction
+    c = config
+    rows = c.envs_per_batch * n
+    if c.frames_per_batch % rows:
+        who = f"{c.envs_per_worker} envs_per_worker x {n} sub-envs (num_envs)"
+        if c.delivery == "sync" and c.workers > 1:
+            who = f"{c.workers} workers x {who}"
+        lower = c.frames_per_batch // rows * rows
+        raise ConfigError(
+            f"frames_per_batch={c.frames_per_batch} is not a multiple of the {rows} env rows that fill each batch "
+            f"({who}: each sub-env of a vector env is a row of the batch); use frames_per_batch={lower + rows}"
+            + (f" or {lower}" if lower else "") + ", or vector envs with another num_envs"
+        )
+    total = c.total_envs * n
+    if start_counters is not None and len(start_counters) != total:
+        raise ConfigError(
+            f"the state loaded with load_state_dict() has trajectory counters for {len(start_counters)} envs, this "
+            f"collector has {total} ({c.total_envs} vector envs of {n} sub-envs); resume with the same num_workers, "
+            f"envs_per_worker and num_envs"
+        )
+    check_seed(seed, offset=total + c.workers - 1)
+    return n
+
+
+# -- one vector env ----------------------------------------------------------------------------------
+
+_NEXT, _SAME, _DISABLED = "NextStep", "SameStep", "Disabled"
+
+
+def _mode_name(env: Any) -> Any:
+    mode = env.metadata.get("autoreset_mode") if isinstance(getattr(env, "metadata", None), dict) else None
+    return getattr(mode, "value", mode)
+
+
+def _cartpole_partial_reset(env: Any, mask: np.ndarray) -> Any:
+    """gymnasium's ``CartPoleVectorEnv`` resets the sub-envs that ended at the start of its next
+    step; this does the same now, with the same draws from its generator."""
+    env.state[:, mask] = env.np_random.uniform(low=env.low, high=env.high, size=(4, int(mask.sum())))
+    env.steps[mask] = 0
+    env.prev_done[mask] = False
+    return env.state.T.astype(np.float32)
+
+
+class VecEnv:
+    """One vector env as the rollout sees it: ``n`` sub-envs, their single spaces, how it is
+    seeded and how ended sub-envs get their reset observation."""
+
+    def __init__(self, env: Any, who: str) -> None:
+        self.env = env
+        self.who = who
+        self.envpool = is_envpool(env)
+        if self.envpool:
+            self._init_envpool(env)
+            return
+        self.n = int(env.num_envs)
+        self.obs_space = env.single_observation_space
+        self.act_space = env.single_action_space
+        mode = _mode_name(env)
+        base = env.unwrapped
+        from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
+
+        self.list_seeds = isinstance(base, (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv))
+        if self.list_seeds:
+            self._partial: Callable[[np.ndarray], Any] | None = self._reset_mask
+        elif type(env) is CartPoleVectorEnv:  # (a wrapper around it might keep state of its own)
+            self._partial = lambda mask: _cartpole_partial_reset(env, mask)
+        else:
+            self._partial = None
+        if mode not in (_NEXT, _SAME, _DISABLED):
+            raise SpecError(
+                f"{who} is {type(env).__name__}, whose metadata['autoreset_mode'] is {mode!r}: aiocollect needs "
+                f"to know how it resets its sub-envs. Set env.metadata['autoreset_mode'] to a "
+                f"gymnasium.vector.AutoresetMode (SAME_STEP is the simplest to support), or build it with "
+                f"gymnasium.vector.SyncVectorEnv / AsyncVectorEnv"
+            )
+        if mode != _SAME and self._partial is None:
+            raise SpecError(
+                f"{who} is {type(env).__name__} with autoreset mode {mode}, and it cannot reset some sub-envs "
+                f"on their own: a sub-env that ended would spend its next step resetting while the others take "
+                f"real steps, so a batch could not hold the same number of real frames for each. Use a vector "
+                f"env in AutoresetMode.SAME_STEP, or gymnasium.vector.SyncVectorEnv / AsyncVectorEnv "
+                f"(gym.make_vec(..., vectorization_mode='sync'), which resets with options={{'reset_mask': ...}})"
+            )
+        self.mode = mode
+
+    def _init_envpool(self, env: Any) -> None:
+        self.n = int(env.config["num_envs"])
+        self.obs_space = env.observation_space  # (EnvPool's spaces are those of one sub-env)
+        self.act_space = env.action_space
+        self.list_seeds = False
+        # EnvPool resets an ended env in its next step, whose action it ignores (as gymnasium's
+        # next-step mode does); reset(env_id) resets some envs at once, and answers for them only
+        self.mode = _NEXT
+        batch = int(env.config.get("batch_size", self.n) or self.n)
+        if batch != self.n:
+            raise SpecError(
+                f"{self.who} is an EnvPool env in asynchronous mode (batch_size={batch} of num_envs={self.n}); "
+                f"aiocollect steps every sub-env at each step: make it with batch_size=num_envs (the default)"
+            )
+        self.rows = np.arange(self.n)
+        self._partial = self._envpool_reset
+
+    # -- resets ---------------------------------------------------------------------------------
+    @property
+    def partial(self) -> bool:
+        return self._partial is not None
+
+    def reset(self, seeds: list[int | None]) -> Any:
+        """Reset every sub-env (``seeds``: one per sub-env; an env with a single generator gets
+        the first). Returns the batched observation."""
+        env = self.env
+        if self.envpool:  # seeded when made (envpool.make_gymnasium(seed=...)): reset(seed) is ignored
+            obs, info = env.reset()
+            return self._in_order(obs, info)
+        if self.list_seeds:
+            seed: Any = None if all(s is None for s in seeds) else list(seeds)
+        else:
+            seed = seeds[0]
+        obs, _ = env.reset(seed=seed)
+        return obs
+
+    def reset_rows(self, mask: np.ndarray) -> Any:
+        """Reset the sub-envs in ``mask`` (without seeds: each goes on with its generator);
+        returns the batched observation (the rows outside ``mask`` are not read)."""
+        return self._partial(mask)  # type: ignore[misc]
+
+    def _reset_mask(self, mask: np.ndarray) -> Any:
+        obs, _ = self.env.reset(options={"reset_mask": mask})
+        return obs
+
+    def _envpool_reset(self, mask: np.ndarray) -> Any:
+        obs, info = self.env.reset(np.flatnonzero(mask).astype(np.int32))
+        return _scatter(obs, self.n, np.asarray(info["env_id"]))
+
+    def _in_order(self, obs: Any, info: dict) -> Any:
+        """EnvPool names the rows of its answers by ``info["env_id"]``: in the order of the ids."""
+        ids = np.asarray(info["env_id"])
+        if np.array_equal(ids, self.rows):
+            return obs
+        return _scatter(obs, self.n, ids)
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict]:
+        if not self.envpool:
+            return self.env.step(actions)
+        obs, rew, term, trunc, info = self.env.step(actions)
+        ids = np.asarray(info["env_id"])
+        if not np.array_equal(ids, self.rows):
+            obs, rew, term, trunc = (_scatter(x, self.n, ids) for x in (obs, rew, term, trunc))
+        return obs, rew, term, trunc, info
+
+
+def _scatter(obs: Any, n: int, rows: np.ndarray) -> Any:
+    """Rows ``rows`` of a batched observation of ``n`` rows, from one with ``len(rows)`` rows."""
+    if isinstance(obs, dict):
+        return {k: _scatter(v, n, rows) for k, v in obs.items()}
+    if isinstance(obs, tuple):
+        return tuple(_scatter(v, n, rows) for v in obs)
+    obs = np.asarray(obs)
+    full = np.zeros((n,) + obs.shape[1:], obs.dtype)
+    full[rows] = obs
+    return full
+
+
+class _ArrayActions:
+    """Stands in for a runner's per-env conversion: a vector env takes the action arrays."""
+
+    def per_env(self, arrays: list[np.ndarray], num_envs: int) -> list[np.ndarray]:
+        return arrays
+
+
+# -- the rollout ---------------------------------------------------------------------------------
+
+
+class VectorRollout(Rollout):
+    """Steps ``envs_per_worker`` vector envs of ``n`` sub-envs each as ``envs_per_worker * n``
+    rows; same interface as :class:`~aiocollect._rollout.Rollout`."""
+
+    def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: Any = None) -> None:
+        self.cfg = cfg
+        self.envs: list[Any] = [] if env is None else [env]
+        try:
+            self.vecs: list[VecEnv] = []
+            for c in range(cfg.envs_per_worker):
+                if c >= len(self.envs):
+                    self.envs.append(create_env(cfg.env_fn, cfg.env_kwargs))
+                self.vecs.append(self._check(c, self.envs[c]))
+            self._setup(local_policy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self, c: int, env: Any) -> VecEnv:
+        who = f"env {c} of worker {self.cfg.worker}"
+        if not is_vector(env):
+            raise SpecError(
+                f"create_env_fn returned a vector env for env 0 of worker {self.cfg.worker} but {type(env).__name__} "
+                f"for {who}: every env must be of the same kind"
+            )
+        vec = VecEnv(env, who)
+        if self.vecs:
+            first = self.vecs[0]
+            if (vec.n, vec.obs_space, vec.act_space, vec.mode) != (first.n, first.obs_space, first.act_space, first.mode):
+                raise SpecError(
+                    f"{who} has num_envs={vec.n}, spaces {vec.obs_space}, {vec.act_space} and autoreset mode "
+                    f"{vec.mode}, but env 0 has num_envs={first.n}, {first.obs_space}, {first.act_space}, "
+                    f"{first.mode}: all vector envs must agree"
+                )
+        return vec
+
+    def _setup(self, local_policy: Any) -> None:
+        cfg = self.cfg
+        n = self.n = self.vecs[0].n
+        E = self.rows = cfg.envs_per_worker * n
+        self.total_rows = cfg.total_envs * n  # (every worker's vector envs have n sub-envs)
+        # init_random_frames: ``cfg.random_steps`` frames of each copy are ceil(./n) steps of it
+        self.random_calls = -(-cfg.random_steps // n)
+        self.obs_space, self.act_space = self.vecs[0].obs_space, self.vecs[0].act_space
+        self.mode = self.vecs[0].mode
+        self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
+        self.act_leaves: list[Leaf] = action_leaves(self.act_space)
+        self.obs_spaces = leaf_spaces(self.obs_space)
+        self.flatten_obs = flattener(self.obs_space, "observation")
+        self.single_obs = len(self.obs_leaves) == 1
+        self.obs_dtype0 = self.obs_leaves[0].np_dtype
+        # the same leaves with the sub-envs' dimension in front: what one step of a copy returns
+        self.batched_leaves = [Leaf(leaf.key, (n,) + leaf.shape, leaf.dtype) for leaf in self.obs_leaves]
+        self.unflatten_act = unflattener(self.act_space)
+        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
+        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
+        self.steps = 0
+        self._ends: list[tuple[np.ndarray, ...]] = []
+        counters = cfg.traj_counters
+        if counters is not None and len(counters) != self.total_rows:
+            raise ConfigError(
+                f"the trajectory counters to resume from hold {len(counters)} envs, but this collector's "
+                f"{cfg.total_envs} vector envs have {self.total_rows} sub-envs; resume with the same num_workers, "
+                f"envs_per_worker and num_envs"
+            )
+        seeds = self._seeds()
+        self.action_spaces = []
+        for seed in seeds:
+            space = copy.deepcopy(self.act_space)
+            space.seed(seed)
+            self.action_spaces.append(space)
+        self.traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
+        self.cur_traj = self.traj_k * self.total_rows + self.env_ids
+        self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+        self.ep_ret = np.zeros(E, np.float64)
+        self.ep_len = np.zeros(E, np.int64)
+        guard = ActionGuard(
+            self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], lambda arrays: arrays,
+            check_finite=cfg.check_finite, action_bounds=cfg.action_bounds,
+        )
+        self.guard = guard if guard.active else None
+        self.partial = all(v.partial for v in self.vecs)
+        if cfg.max_frames_per_traj is not None and not self.partial:
+            raise ConfigError(
+                f"max_frames_per_traj={cfg.max_frames_per_traj} needs to reset a sub-env whose episode it truncates, "
+                f"and {type(self.envs[0]).__name__} cannot reset some sub-envs on their own; limit the episodes in "
+                f"the env instead (gymnasium's TimeLimit on each sub-env, or the env's max_episode_steps)"
+            )
+        for c, vec in enumerate(self.vecs):
+            obs = vec.reset(seeds[c * n : (c + 1) * n])
+            self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
+        self._build_policy(local_policy, E, self.total_rows)
+        if hasattr(self.runner, "env_actions"):
+            self.runner.env_actions = _ArrayActions()  # the env takes arrays: no per-env list
+
+    def _seeds(self) -> list[int | None]:
+        cfg = self.cfg
+        if cfg.seed is None:
+            return [None] * self.rows
+        if cfg.static_seed:
+            return [cfg.seed] * self.rows
+        if cfg.restart:
+            return [derived_seed(cfg.seed, int(g), cfg.restart) for g in self.env_ids]
+        return [cfg.seed + int(g) for g in self.env_ids]
+
+    def spec(self) -> dict[str, Any]:
+        return {**super().spec(), "num_envs": self.n}
+
+    # -- observations -----------------------------------------------------------------------------
+    def _what(self, c: int) -> str:
+        g = int(self.env_ids[c * self.n])
+        return f"vector env {c} of worker {self.cfg.worker} (envs {g} to {g + self.n - 1})"
+
+    def _write_obs(
+        self, c: int, obs: Any, bufs: list[np.ndarray], t: int | None, when: str, rows: slice | None = None
+    ) -> None:
+        """Write copy ``c``'s batched observation into ``rows`` of ``bufs`` (default: the copy's
+        own rows), at time ``t`` (``None``: ``bufs`` have no time dimension), checked against the
+        leaves as single envs' observations are."""
+        n = self.n
+        if rows is None:
+            rows = slice(c * n, (c + 1) * n)
+        values = [obs] if self.single_obs else self.flatten_obs(obs)
+        for k, (leaf, space, buf, value) in enumerate(zip(self.batched_leaves, self.obs_spaces, bufs, values)):
+            if getattr(value, "dtype", None) is not leaf.np_dtype or value.shape != leaf.shape:
+                value = check_value(value, leaf, f"{self._what(c)}'s observation {when}", space)
+            dst = buf[rows] if t is None else buf[rows, t]
+            dst[...] = value
+            if k in self.finite_obs:
+                row = first_nonfinite(dst)
+                if row is not None:
+                    self._nonfinite_obs(k, c * n + row, dst[row], when)
+
+    def _write_row(self, i: int, obs: Any, bufs: list[np.ndarray], when: str) -> None:
+        """Write one sub-env's observation (unbatched: a final observation) into row ``i`` of
+        ``bufs`` (``[E, ...]`` each)."""
+        values = [obs] if self.single_obs else self.flatten_obs(obs)
+        for k, (leaf, space, buf, value) in enumerate(zip(self.obs_leaves, self.obs_spaces, bufs, values)):
+            value = check_value(value, leaf, f"env {int(self.env_ids[i])}'s observation {when}", space)
+            buf[i] = value
+            if k in self.finite_obs and not np.isfinite(buf[i]).all():
+                self._nonfinite_obs(k, i, buf[i], when)
+
+    def _staging(self, T: int) -> dict[str, list[np.ndarray]]:
+        """Time-major buffers for one batch (``[T, E, ...]``: each step writes contiguous rows, and
+        the batch goes into the slot in one copy per key at its end)."""
+        if getattr(self, "_stage_T", None) != T:
+            E = self.rows
+
+            def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
+                return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
+
+            self._stage = {
+                "obs": bufs(self.obs_leaves), "next": bufs(self.obs_leaves), "act": bufs(self.act_leaves),
+                "extras": bufs(self.extra_leaves),
+                "flags": [np.zeros((T, E), np.float32), np.zeros((T, E), bool), np.zeros((T, E), bool)],
+            }
+            self._stage_T = T
+        return self._stage
+
+    # -- stepping -------------------------------------------------------------------------------------
+    def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
+        rows = slice(c * self.n, (c + 1) * self.n)
+        if len(arrays) == 1:
+            return arrays[0][rows] if len(self.vecs) > 1 else arrays[0]
+        return self.unflatten_act([a[rows] for a in arrays])
+
+    def _check_step(self, c: int, rew: Any, term: Any, trunc: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = self.n
+        if (
+            type(rew) is np.ndarray and type(term) is np.ndarray and type(trunc) is np.ndarray
+            and rew.shape == term.shape == trunc.shape == (n,) and term.dtype == trunc.dtype == np.bool_
+            and rew.dtype.kind in "fiu"
+        ):
+            return rew, term, trunc  # the hot path: what gymnasium's vector envs return
+        out = []
+        for name, value, kinds in (("rewards", rew, "biuf"), ("terminated", term, "b"), ("truncated", trunc, "b")):
+            arr = np.asarray(value)
+            if arr.shape != (n,) or arr.dtype.kind not in kinds:
+                raise SpecError(
+                    f"{self._what(c)} returned {name} {short(value)} (dtype {arr.dtype}, shape {arr.shape}) from step "
+                    f"{self.steps + 1}; a vector env of {n} sub-envs returns "
+                    + ("real numbers" if name == "rewards" else "booleans") + f" of shape ({n},)"
+                )
+            out.append(arr)
+        return out[0], out[1], out[2]
+
+    def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
+        """Write one batch into ``views`` (see :meth:`Rollout.fill`): each step of the policy is one
+        ``step`` of every vector env; ended sub-envs are reset before the next step. Steps are
+        written into time-major buffers of this process (a step's rows are contiguous there) and
+        copied into the slot once, at the end of the batch."""
+        cfg = self.cfg
+        vecs, n = self.vecs, self.n
+        hb = self.heartbeat
+        if cfg.reset_at_each_iter and self.batches > 0:
+            for c, vec in enumerate(vecs):
+                if hb is not None:
+                    hb.begin(RESET, int(self.env_ids[c * n]))
+                obs = vec.reset([None] * n)
+                self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
+            self._new_trajs(np.arange(self.rows))
+        traj_buf = views[("collector", "traj_ids")]
+        T = traj_buf.shape[1]
+        stage = self._staging(T)
+        obs_st, next_st, act_st, extra_st = stage["obs"], stage["next"], stage["act"], stage["extras"]
+        rew_st, term_st, trunc_st = stage["flags"]
+        for st, cur in zip(obs_st, self.cur_obs):
+            st[0] = cur
+        first_traj = self.cur_traj.copy()
+        guard = self.guard
+        same = self.mode == _SAME
+        check_finite = cfg.check_finite
+        max_len = cfg.max_frames_per_traj
+        ends: list[tuple[np.ndarray, ...]] = []  # per step with episode ends: rows, ids, returns, lengths, terminated
+        ep_ret, ep_len = self.ep_ret, self.ep_len
+        one = len(vecs) == 1
+        # the hot path: one observation leaf of the leaf's dtype and shape, no NaN check: written as is
+        fast_obs = self.single_obs and not self.finite_obs
+        dtype0, shape0 = self.batched_leaves[0].np_dtype, self.batched_leaves[0].shape
+        clock = time.perf_counter
+        policy_time = env_time = 0.0
+        t_env = clock()
+        for t in range(T):
+            obs_t = [st[t] for st in obs_st]
+            random = self.steps < self.random_calls
+            runner = self.random_runner if random else self.runner
+            t_policy = clock()
+            env_time += t_policy - t_env
+            if hb is not None:
+                hb.begin(POLICY)
+            _, act_arrays, extras = runner.act(obs_t)
+            t_env = clock()
+            policy_time += t_env - t_policy
+            for st, arr in zip(act_st, act_arrays):
+                st[t] = arr
+            env_arrays = act_arrays
+            if guard is not None and not random:
+                env_arrays = guard.apply(act_arrays, act_arrays, self._action_step)
+            if extra_st:
+                for st, arr in zip(extra_st, extras or [0] * len(extra_st)):
+                    st[t] = arr
+            nxt = [st[t] for st in next_st]
+            rew_t, term_t, trunc_t = rew_st[t], term_st[t], trunc_st[t]
+            finals: list[tuple[int, dict]] = []  # (copy, info) of same-step copies where episodes ended
+            for c, vec in enumerate(vecs):
+                if hb is not None:
+                    hb.begin(STEP, int(self.env_ids[c * n]))
+                obs, rew, term, trunc, info = vec.step(self._actions(env_arrays, c))
+                rew, term, trunc = self._check_step(c, rew, term, trunc)
+                if one:
+                    rew_t[...] = rew
+                    term_t[...] = term
+                    trunc_t[...] = trunc
+                    ep_ret += rew
+                else:
+                    rows = slice(c * n, (c + 1) * n)
+                    rew_t[rows] = rew
+                    term_t[rows] = term
+                    trunc_t[rows] = trunc
+                    ep_ret[rows] += rew
+                if same and (term.any() or trunc.any()):
+                    finals.append((c, info))
+                if fast_obs and type(obs) is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0:
+                    if one:
+                        nxt[0][...] = obs
+                    else:
+                        nxt[0][c * n : (c + 1) * n] = obs
+                else:
+                    self._write_obs(c, obs, nxt, None, "returned by step")
+            ep_len += 1
+            ended = env_ended = term_t | trunc_t
+            cut = None
+            if max_len is not None:
+                cut = ep_len >= max_len
+                cut &= ~env_ended
+                if cut.any():
+                    trunc_t |= cut
+                    ended = env_ended | cut
+            if check_finite and not np.isfinite(rew_t).all():
+                row = int(np.flatnonzero(~np.isfinite(rew_t))[0])
+                raise SpecError(
+                    f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
+                    f"{float(rew[row - (row // n) * n])!r}: not finite (check_finite=True)"
+                )
+            # the next observation of every row: its next obs, or its reset obs after an episode end
+            cur = [st[t + 1] for st in obs_st] if t + 1 < T else self.cur_obs
+            for dst, src in zip(cur, nxt):
+                dst[...] = src
+            if ended.any():
+                rows = np.flatnonzero(ended)
+                # (episodes listed once per batch, from these arrays: no Python object per end here)
+                ends.append((rows, self.cur_traj[rows], ep_ret[rows], ep_len[rows], term_t[rows]))
+                self._after_ends(rows, env_ended, cut, finals, nxt, cur)
+                self._new_trajs(rows)
+            self.steps += 1
+            yield
+        env_time += clock() - t_env
+        if hb is not None:
+            hb.idle()
+        self.timing = {"env": env_time, "policy": policy_time}
+        # into the slot: one copy per key ([T, E, ...] -> [E, T, ...])
+        for leaf, st in zip(self.obs_leaves, obs_st):
+            np.copyto(views[leaf.key], st.swapaxes(0, 1))
+        for leaf, st in zip(self.obs_leaves, next_st):
+            np.copyto(views[("next",) + leaf.key], st.swapaxes(0, 1))
+        for leaf, st in zip(self.act_leaves + self.extra_leaves, act_st + extra_st):
+            np.copyto(views[leaf.key], st.swapaxes(0, 1))
+        views[("next", "reward")][..., 0] = rew_st.T
+        views[("next", "terminated")][..., 0] = term_st.T
+        views[("next", "truncated")][..., 0] = trunc_st.T
+        views[("collector", "policy_version")][...] = version
+        write_traj_ids(traj_buf, (term_st | trunc_st).T, first_traj, self.total_rows)
+        self.batches += 1
+        self._ends = ends
+
+    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
+        """The episodes that ended in the last batch, in the order they ended: (env, trajectory id,
+        return, length, terminated), made from the arrays kept per step (a 256-sub-env CartPole
+        ends about a thousand episodes per batch: no object per episode before this)."""
+        if not self._ends:
+            return []
+        rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
+        return list(zip(self.env_ids[rows].tolist(), ids.tolist(), rets.tolist(), lens.tolist(), terms.tolist()))
+
+    @property
+    def episodes(self) -> list[EpisodeEnd]:  # type: ignore[override]
+        return [EpisodeEnd(*e) for e in self._episode_tuples()]
+
+    def _after_ends(
+        self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
+        next_bufs: list[np.ndarray], cur: list[np.ndarray],
+    ) -> None:
+        """The rows ``rows`` ended their episode in this step (``env_ended``: by the env, ``cut``:
+        by ``max_frames_per_traj``), and ``cur`` (the next step's obs) holds what the step
+        returned: make ``next_bufs`` (this step's next obs) hold their true final observation and
+        ``cur`` their reset observation."""
+        n = self.n
+        hb = self.heartbeat
+        for c, info in finals:  # same-step: the step returned the reset obs, the final one is in info
+            final_obs = info.get("final_obs") if isinstance(info, dict) else None
+            if final_obs is None:
+                raise SpecError(
+                    f"{self._what(c)} (autoreset mode SameStep) ended episodes at step {self.steps + 1} but its info "
+                    f"has no 'final_obs': a same-step vector env returns the final observations there"
+                )
+            for r in np.flatnonzero(env_ended[c * n : (c + 1) * n]).tolist():
+                self._write_row(c * n + r, final_obs[r], next_bufs, f"(final) returned by step {self.steps + 1}")
+        # the rows the env does not reset itself: all in next-step mode, else those cut short
+        if self.mode == _SAME:
+            if cut is None or not cut.any():
+                return
+            rows = np.flatnonzero(cut)
+        one = len(self.vecs) == 1
+        for c, vec in enumerate(self.vecs):
+            mine = rows if one else rows[(rows >= c * n) & (rows < (c + 1) * n)] - c * n
+            if not len(mine):
+                continue
+            if hb is not None:
+                hb.begin(RESET, int(self.env_ids[c * n + mine[0]]))
+            mask = np.zeros(n, bool)
+            mask[mine] = True
+            obs = vec.reset_rows(mask)
+            at = mine if one else mine + c * n
+            values = [obs] if self.single_obs else self.flatten_obs(obs)
+            for k, (leaf, space, d, value) in enumerate(zip(self.batched_leaves, self.obs_spaces, cur, values)):
+                if type(value) is not np.ndarray or value.dtype is not leaf.np_dtype or value.shape != leaf.shape:
+                    value = check_value(value, leaf, f"{self._what(c)}'s observation returned by reset", space)
+                d[at] = value[mine]
+                if k in self.finite_obs:
+                    row = first_nonfinite(d[at])
+                    if row is not None:
+                        self._nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
+
+    def _new_trajs(self, rows: np.ndarray) -> None:
+        """The rows ``rows`` start a new trajectory."""
+        k = self.traj_k[rows] + 1
+        self.traj_k[rows] = k
+        self.cur_traj[rows] = k * self.total_rows + self.env_ids[rows]
+        self.ep_ret[rows] = 0.0
+        self.ep_len[rows] = 0
