@@ -206,3 +206,24 @@ async def test_copied_batches_reuse_dropped_memory_and_never_touch_a_batch_still
         assert pool.reused >= 20, f"only {pool.reused} of 28 batches reused dropped memory"
     assert (kept == expected).all(), "a batch the consumer holds was overwritten"
     assert (view == expected_view).all(), "a view on a held batch was overwritten"
+
+
+def _cartpole_vec():
+    import gymnasium as gym
+
+    return gym.make_vec("CartPole-v1", num_envs=8, vectorization_mode="vector_entry_point")
+
+
+async def test_zero_copy_with_vector_envs_gives_the_same_data_as_copies():
+    """A worker stepping a vector env writes its sub-envs' rows into the same slots: zero_copy
+    batches of 2 workers x 8 sub-envs equal the copies of a run with the same seed."""
+    runs = []
+    for zero_copy in (True, False):
+        async with Collector(_cartpole_vec, frames_per_batch=16 * 8, total_frames=16 * 8 * 4, num_workers=2,
+                             seed=5, zero_copy=zero_copy, prefetch=0) as c:
+            runs.append([b.clone() async for b in c])
+    assert len(runs[0]) == len(runs[1]) == 4
+    for a, b in zip(*runs):
+        assert a.batch_size == (16, 8)
+        check_batch(a)
+        assert (a == b).all()
