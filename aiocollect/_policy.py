@@ -160,6 +160,22 @@ def _np_dtype_name(tensor: Any, key: Key) -> str:
         ) from None
 
 
+def _cpu_numpy(value: Any) -> np.ndarray | None:
+    """``value.numpy()`` where that is a plain view (a cpu tensor outside autograd), else None."""
+    try:
+        arr = value.numpy()
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor, not on the cpu, needs grad ...
+        return None
+    return arr if type(arr) is np.ndarray else None
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    """A tensor as a numpy array: a view where it is a cpu tensor outside autograd (the common
+    case, without the cost of ``detach()`` and ``cpu()``), else a copy on the cpu."""
+    arr = _cpu_numpy(tensor)
+    return tensor.detach().cpu().numpy() if arr is None else arr
+
+
 class _TorchRunner:
     """Common part of the torch runners: output checks and conversion."""
 
@@ -175,6 +191,7 @@ class _TorchRunner:
         self.extra_keys: list[Key] = []
         self.checked = False
         self.act_dtypes: list[Any] = []  # torch dtypes of the first, checked actions
+        self.act_shapes = [(num_envs,) + leaf.shape for leaf in act_leaves]
 
     def _check_action(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
         import torch
@@ -198,7 +215,7 @@ class _TorchRunner:
         """``value`` (a tensor of the right shape) as a numpy array of the leaf's dtype: a float
         of another width is rounded, an integer must fit; another kind is a :class:`SpecError`
         (see :mod:`aiocollect._checks`)."""
-        arr = value.detach().cpu().numpy()
+        arr = _numpy(value)
         if arr.dtype == leaf.np_dtype:
             return arr
         problem = dtype_problem(arr, leaf.np_dtype, lambda: f"the action space {self.act_space}")
@@ -234,15 +251,21 @@ class _TorchRunner:
             self.checked = True
         else:
             arrays = []
-            for leaf, dtype in zip(self.act_leaves, self.act_dtypes):
+            for leaf, dtype, want in zip(self.act_leaves, self.act_dtypes, self.act_shapes):
                 value = outputs.get(leaf.key)
                 if value is None:
                     self._missing_action(outputs)
-                if value.dtype != dtype or value.shape[0] != self.num_envs or value.dim() != 1 + len(leaf.shape):
-                    arrays.append(self._check_action(leaf.key, value, leaf))
-                else:
+                # the common case, seen with numpy's cheap attributes: a cpu tensor of the leaf's
+                # shape and dtype (anything else is checked in full, as on the first call)
+                arr = _cpu_numpy(value)
+                if arr is not None and arr.shape == want and arr.dtype == leaf.np_dtype:
+                    arrays.append(arr)
+                elif getattr(value, "dtype", None) == dtype and tuple(getattr(value, "shape", ())) == want:
+                    # the first call's dtype (converted), or not on the cpu (copied there)
                     arrays.append(self._to_numpy(leaf.key, value, leaf))
-        extras = [outputs[k].detach().cpu().numpy() for k in self.extra_keys]
+                else:
+                    arrays.append(self._check_action(leaf.key, value, leaf))
+        extras = [_numpy(outputs[k]) for k in self.extra_keys]
         return self.env_actions.per_env(arrays, self.num_envs), arrays, extras
 
     def _extra_leaves(self, outputs: dict[Key, Any]) -> list[Leaf]:
@@ -291,6 +314,8 @@ class ModuleRunner(_TorchRunner):
 
         self.module = module
         self.model = module if isinstance(module, torch.nn.Module) else None
+        # what the per-step path calls, looked up once
+        self._from_numpy, self._grad_enabled, self._no_grad = torch.from_numpy, torch.is_grad_enabled, torch.no_grad
         self.out_keys = list(out_keys)
         self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and len(self.act_leaves) == 1
         self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
@@ -304,23 +329,25 @@ class ModuleRunner(_TorchRunner):
                 f"tensordict.nn.TensorDictModule with matching in_keys"
             )
         self.in_idx = [index[k] for k in in_keys]
+        self.in0 = self.in_idx[0] if len(self.in_idx) == 1 else None
 
     def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         if not (self.checked and self.single_out):
             return super().act(obs)
-        # fast path (a module writing only the action, already checked once): no dict, no copy
-        import torch
-
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
+        # fast path (a module writing only the action, its first output checked): no dict, no copy,
+        # no torch attribute read per call; the output is checked through its numpy view (cheap
+        # attributes), and anything but a cpu tensor of the action's shape and dtype goes through
+        # the full conversion, with its checks and messages
+        from_numpy = self._from_numpy
+        inputs = (from_numpy(obs[self.in0]),) if self.in0 is not None else [from_numpy(obs[i]) for i in self.in_idx]
+        if self._grad_enabled():
+            with self._no_grad():
+                out = self.module(*inputs)
         else:  # worker processes disable autograd once
-            out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != self.want_shape or out.device.type != "cpu":
+            out = self.module(*inputs)
+        arr = _cpu_numpy(out)
+        if arr is None or arr.shape != self.want_shape or arr.dtype != self.want_dtype:
             return self._convert(dict(zip(self.out_keys, out if isinstance(out, tuple) else (out,))))
-        arr = out.numpy()
-        if arr.dtype != self.want_dtype:
-            arr = self._check_action(("action",), out, self.act_leaves[0])
         return self.env_actions.per_env([arr], self.num_envs), [arr], []
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:

@@ -137,13 +137,18 @@ def _mode_name(env: Any) -> Any:
     return getattr(mode, "value", mode)
 
 
-def _cartpole_partial_reset(env: Any, mask: np.ndarray) -> Any:
+def _cartpole_partial_reset(env: Any, rows: np.ndarray, out: np.ndarray | None = None) -> Any:
     """gymnasium's ``CartPoleVectorEnv`` resets the sub-envs that ended at the start of its next
-    step; this does the same now, with the same draws from its generator."""
-    env.state[:, mask] = env.np_random.uniform(low=env.low, high=env.high, size=(4, int(mask.sum())))
-    env.steps[mask] = 0
-    env.prev_done[mask] = False
-    return env.state.T.astype(np.float32)
+    step; this does the same now for ``rows`` (sorted indices), with the same draws from its
+    generator. Returns the batched observation; with ``out`` (``[num_envs, 4]`` float32) only
+    ``rows`` are written, into ``out``, which is returned."""
+    env.state[:, rows] = env.np_random.uniform(low=env.low, high=env.high, size=(4, len(rows)))
+    env.steps[rows] = 0
+    env.prev_done[rows] = False
+    if out is None:
+        return env.state.T.astype(np.float32)
+    out[rows] = env.state[:, rows].T
+    return out
 
 
 class VecEnv:
@@ -158,6 +163,7 @@ class VecEnv:
             self._init_envpool(env)
             return
         self.n = int(env.num_envs)
+        self.step = env.step  # (an instance attribute: one call less per step than the method)
         self.obs_space = env.single_observation_space
         self.act_space = env.single_action_space
         mode = _mode_name(env)
@@ -168,7 +174,8 @@ class VecEnv:
         if self.list_seeds:
             self._partial: Callable[[np.ndarray], Any] | None = self._reset_mask
         elif type(env) is CartPoleVectorEnv:  # (a wrapper around it might keep state of its own)
-            self._partial = lambda mask: _cartpole_partial_reset(env, mask)
+            self._partial = lambda rows, out=None: _cartpole_partial_reset(env, rows, out)
+            self.writes_rows = True
         else:
             self._partial = None
         if mode not in (_NEXT, _SAME, _DISABLED):
@@ -224,17 +231,25 @@ class VecEnv:
         obs, _ = env.reset(seed=seed)
         return obs
 
-    def reset_rows(self, mask: np.ndarray) -> Any:
-        """Reset the sub-envs in ``mask`` (without seeds: each goes on with its generator);
-        returns the batched observation (the rows outside ``mask`` are not read)."""
-        return self._partial(mask)  # type: ignore[misc]
+    writes_rows = False  # whether reset_rows(rows, out) writes the reset rows into out
 
-    def _reset_mask(self, mask: np.ndarray) -> Any:
+    def reset_rows(self, rows: np.ndarray, out: np.ndarray | None = None) -> Any:
+        """Reset the sub-envs ``rows`` (sorted indices; without seeds: each goes on with its
+        generator); returns the batched observation (the other rows are not read). Where
+        :attr:`writes_rows`, ``out`` (``[num_envs, ...]``, of the single observation leaf's dtype)
+        gets the reset rows, and is returned."""
+        if self.writes_rows:
+            return self._partial(rows, out)  # type: ignore[misc]
+        return self._partial(rows)  # type: ignore[misc]
+
+    def _reset_mask(self, rows: np.ndarray) -> Any:
+        mask = np.zeros(self.n, bool)
+        mask[rows] = True
         obs, _ = self.env.reset(options={"reset_mask": mask})
         return obs
 
-    def _envpool_reset(self, mask: np.ndarray) -> Any:
-        obs, info = self.env.reset(np.flatnonzero(mask).astype(np.int32))
+    def _envpool_reset(self, rows: np.ndarray) -> Any:
+        obs, info = self.env.reset(rows.astype(np.int32))
         return _scatter(obs, self.n, np.asarray(info["env_id"]))
 
     def _in_order(self, obs: Any, info: dict) -> Any:
@@ -271,6 +286,59 @@ class _ArrayActions:
 
     def per_env(self, arrays: list[np.ndarray], num_envs: int) -> list[np.ndarray]:
         return arrays
+
+
+def _copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[e, t] = src[t, e]`` (``dst``: ``[E, T, ...]``, ``src``: ``[T, E, ...]``). A frame's
+    leaf of a few elements is moved as one item (a void of its size) where both arrays hold it
+    contiguous: numpy copies that several times faster than element by element."""
+    size = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
+    if src.ndim > 2 and 0 < size <= 256 and _leaf_contiguous(dst) and _leaf_contiguous(src):
+        void = np.dtype((np.void, size))
+        d = dst.reshape(dst.shape[:2] + (-1,)).view(void)[..., 0]  # (views: the leaves are contiguous)
+        s = src.reshape(src.shape[:2] + (-1,)).view(void)[..., 0]
+        np.copyto(d, s.swapaxes(0, 1))
+    else:
+        np.copyto(dst, src.swapaxes(0, 1))
+
+
+def _leaf_contiguous(a: np.ndarray) -> bool:
+    """Whether each ``a[i, j]`` is C-contiguous."""
+    stride = a.itemsize
+    for dim, step in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
+        if dim != 1 and step != stride:
+            return False
+        stride *= dim
+    return True
+
+
+class _Staging:
+    """Time-major buffers for one batch of ``T`` steps of ``E`` rows (``[T, E, ...]``: each step
+    writes contiguous rows, and the batch goes into the slot in one copy per key at its end), and
+    each step's views of them, made once (not per step)."""
+
+    def __init__(
+        self, T: int, E: int, obs: list[Leaf], act: list[Leaf], extras: list[Leaf], carried: list[np.ndarray]
+    ) -> None:
+        def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
+            return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
+
+        self.T = T
+        self.obs, self.next, self.act, self.extras = bufs(obs), bufs(obs), bufs(act), bufs(extras)
+        self.rew = np.zeros((T, E), np.float32)
+        self.term = np.zeros((T, E), bool)
+        self.trunc = np.zeros((T, E), bool)
+        self.done = np.zeros((T, E), bool)  # terminated | truncated (with max_frames_per_traj's cuts)
+        # per step: obs, actions, extras, next obs, the obs of the step after (after the last step:
+        # ``carried``, the rollout's carried obs), reward, terminated, truncated, done
+        self.steps = [
+            (
+                [b[t] for b in self.obs], [b[t] for b in self.act], [b[t] for b in self.extras],
+                [b[t] for b in self.next], [b[t + 1] for b in self.obs] if t + 1 < T else carried,
+                self.rew[t], self.term[t], self.trunc[t], self.done[t],
+            )
+            for t in range(T)
+        ]
 
 
 # -- the rollout ---------------------------------------------------------------------------------
@@ -347,8 +415,9 @@ class VectorRollout(Rollout):
             space = copy.deepcopy(self.act_space)
             space.seed(seed)
             self.action_spaces.append(space)
-        self.traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
-        self.cur_traj = self.traj_k * self.total_rows + self.env_ids
+        traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
+        # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
+        self.cur_traj = traj_k * self.total_rows + self.env_ids
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         self.ep_ret = np.zeros(E, np.float64)
         self.ep_len = np.zeros(E, np.int64)
@@ -419,22 +488,11 @@ class VectorRollout(Rollout):
             if k in self.finite_obs and not np.isfinite(buf[i]).all():
                 self._nonfinite_obs(k, i, buf[i], when)
 
-    def _staging(self, T: int) -> dict[str, list[np.ndarray]]:
-        """Time-major buffers for one batch (``[T, E, ...]``: each step writes contiguous rows, and
-        the batch goes into the slot in one copy per key at its end)."""
-        if getattr(self, "_stage_T", None) != T:
-            E = self.rows
-
-            def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
-                return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
-
-            self._stage = {
-                "obs": bufs(self.obs_leaves), "next": bufs(self.obs_leaves), "act": bufs(self.act_leaves),
-                "extras": bufs(self.extra_leaves),
-                "flags": [np.zeros((T, E), np.float32), np.zeros((T, E), bool), np.zeros((T, E), bool)],
-            }
-            self._stage_T = T
-        return self._stage
+    def _staging(self, T: int) -> _Staging:
+        stage = getattr(self, "_stage", None)
+        if stage is None or stage.T != T:
+            stage = self._stage = _Staging(T, self.rows, self.obs_leaves, self.act_leaves, self.extra_leaves, self.cur_obs)
+        return stage
 
     # -- stepping -------------------------------------------------------------------------------------
     def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
@@ -481,9 +539,7 @@ class VectorRollout(Rollout):
         traj_buf = views[("collector", "traj_ids")]
         T = traj_buf.shape[1]
         stage = self._staging(T)
-        obs_st, next_st, act_st, extra_st = stage["obs"], stage["next"], stage["act"], stage["extras"]
-        rew_st, term_st, trunc_st = stage["flags"]
-        for st, cur in zip(obs_st, self.cur_obs):
+        for st, cur in zip(stage.obs, self.cur_obs):
             st[0] = cur
         first_traj = self.cur_traj.copy()
         guard = self.guard
@@ -499,8 +555,7 @@ class VectorRollout(Rollout):
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
-        for t in range(T):
-            obs_t = [st[t] for st in obs_st]
+        for t, (obs_t, act_t, extra_t, nxt, cur, rew_t, term_t, trunc_t, done_t) in enumerate(stage.steps):
             random = self.steps < self.random_calls
             runner = self.random_runner if random else self.runner
             t_policy = clock()
@@ -510,16 +565,14 @@ class VectorRollout(Rollout):
             _, act_arrays, extras = runner.act(obs_t)
             t_env = clock()
             policy_time += t_env - t_policy
-            for st, arr in zip(act_st, act_arrays):
-                st[t] = arr
+            for dst, arr in zip(act_t, act_arrays):
+                dst[...] = arr
             env_arrays = act_arrays
             if guard is not None and not random:
                 env_arrays = guard.apply(act_arrays, act_arrays, self._action_step)
-            if extra_st:
-                for st, arr in zip(extra_st, extras or [0] * len(extra_st)):
-                    st[t] = arr
-            nxt = [st[t] for st in next_st]
-            rew_t, term_t, trunc_t = rew_st[t], term_st[t], trunc_st[t]
+            if extra_t:
+                for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
+                    dst[...] = arr
             finals: list[tuple[int, dict]] = []  # (copy, info) of same-step copies where episodes ended
             for c, vec in enumerate(vecs):
                 if hb is not None:
@@ -547,14 +600,15 @@ class VectorRollout(Rollout):
                 else:
                     self._write_obs(c, obs, nxt, None, "returned by step")
             ep_len += 1
-            ended = env_ended = term_t | trunc_t
+            ended = env_ended = np.logical_or(term_t, trunc_t, out=done_t)
             cut = None
             if max_len is not None:
                 cut = ep_len >= max_len
                 cut &= ~env_ended
                 if cut.any():
                     trunc_t |= cut
-                    ended = env_ended | cut
+                    env_ended = ended.copy()
+                    ended |= cut
             if check_finite and not np.isfinite(rew_t).all():
                 row = int(np.flatnonzero(~np.isfinite(rew_t))[0])
                 raise SpecError(
@@ -562,11 +616,10 @@ class VectorRollout(Rollout):
                     f"{float(rew[row - (row // n) * n])!r}: not finite (check_finite=True)"
                 )
             # the next observation of every row: its next obs, or its reset obs after an episode end
-            cur = [st[t + 1] for st in obs_st] if t + 1 < T else self.cur_obs
             for dst, src in zip(cur, nxt):
                 dst[...] = src
-            if ended.any():
-                rows = np.flatnonzero(ended)
+            rows = ended.nonzero()[0]
+            if len(rows):
                 # (episodes listed once per batch, from these arrays: no Python object per end here)
                 ends.append((rows, self.cur_traj[rows], ep_ret[rows], ep_len[rows], term_t[rows]))
                 self._after_ends(rows, env_ended, cut, finals, nxt, cur)
@@ -578,17 +631,17 @@ class VectorRollout(Rollout):
             hb.idle()
         self.timing = {"env": env_time, "policy": policy_time}
         # into the slot: one copy per key ([T, E, ...] -> [E, T, ...])
-        for leaf, st in zip(self.obs_leaves, obs_st):
-            np.copyto(views[leaf.key], st.swapaxes(0, 1))
-        for leaf, st in zip(self.obs_leaves, next_st):
-            np.copyto(views[("next",) + leaf.key], st.swapaxes(0, 1))
-        for leaf, st in zip(self.act_leaves + self.extra_leaves, act_st + extra_st):
-            np.copyto(views[leaf.key], st.swapaxes(0, 1))
-        views[("next", "reward")][..., 0] = rew_st.T
-        views[("next", "terminated")][..., 0] = term_st.T
-        views[("next", "truncated")][..., 0] = trunc_st.T
+        for leaf, st in zip(self.obs_leaves, stage.obs):
+            _copy_transposed(views[leaf.key], st)
+        for leaf, st in zip(self.obs_leaves, stage.next):
+            _copy_transposed(views[("next",) + leaf.key], st)
+        for leaf, st in zip(self.act_leaves + self.extra_leaves, stage.act + stage.extras):
+            _copy_transposed(views[leaf.key], st)
+        views[("next", "reward")][..., 0] = stage.rew.T
+        views[("next", "terminated")][..., 0] = stage.term.T
+        views[("next", "truncated")][..., 0] = stage.trunc.T
         views[("collector", "policy_version")][...] = version
-        write_traj_ids(traj_buf, (term_st | trunc_st).T, first_traj, self.total_rows)
+        write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
         self.batches += 1
         self._ends = ends
 
@@ -636,24 +689,30 @@ class VectorRollout(Rollout):
                 continue
             if hb is not None:
                 hb.begin(RESET, int(self.env_ids[c * n + mine[0]]))
-            mask = np.zeros(n, bool)
-            mask[mine] = True
-            obs = vec.reset_rows(mask)
+            # (one copy of one leaf: the env may write the reset rows into the next step's obs itself)
+            into = cur[0] if one and self.single_obs and vec.writes_rows else None
+            obs = vec.reset_rows(mine, into)
             at = mine if one else mine + c * n
             values = [obs] if self.single_obs else self.flatten_obs(obs)
             for k, (leaf, space, d, value) in enumerate(zip(self.batched_leaves, self.obs_spaces, cur, values)):
-                if type(value) is not np.ndarray or value.dtype is not leaf.np_dtype or value.shape != leaf.shape:
-                    value = check_value(value, leaf, f"{self._what(c)}'s observation returned by reset", space)
-                d[at] = value[mine]
+                if value is d:
+                    pass  # written in place
+                elif type(value) is not np.ndarray or value.dtype is not leaf.np_dtype or value.shape != leaf.shape:
+                    d[at] = check_value(value, leaf, f"{self._what(c)}'s observation returned by reset", space)[mine]
+                else:
+                    d[at] = value[mine]
                 if k in self.finite_obs:
                     row = first_nonfinite(d[at])
                     if row is not None:
                         self._nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
 
+    @property
+    def traj_counters(self) -> list[int]:
+        """Per env row of this worker: the number of the trajectory it is in now."""
+        return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
+
     def _new_trajs(self, rows: np.ndarray) -> None:
         """The rows ``rows`` start a new trajectory."""
-        k = self.traj_k[rows] + 1
-        self.traj_k[rows] = k
-        self.cur_traj[rows] = k * self.total_rows + self.env_ids[rows]
+        self.cur_traj[rows] += self.total_rows
         self.ep_ret[rows] = 0.0
         self.ep_len[rows] = 0
