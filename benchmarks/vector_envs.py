@@ -10,7 +10,8 @@ everywhere):
   warm-up. It runs first and last; the ratios use the mean of the two, their difference shows whether
   the machine's load changed meanwhile.
 * **aiocollect vector** -- ``Collector(lambda: gym.make_vec(...same...), policy, num_workers=--workers)``:
-  one vector env of ``--num-envs`` sub-envs per worker, ``delivery="sync"``, ``async for`` under uvloop.
+  one vector env of ``--num-envs`` sub-envs per worker, ``delivery="sync"``, ``async for`` under uvloop;
+  then the same with ``zero_copy=True`` (batches are views on shared memory: no copy in the collector).
 * **aiocollect single** -- the same number of rows as ``--num-envs`` plain ``CartPole-v1`` envs per worker
   (``envs_per_worker=--num-envs``): what the vector env saves.
 * **EnvPool Pong** (``Pong-v5``, ``--pong-envs`` per process, one EnvPool thread each, a linear policy on
@@ -192,22 +193,23 @@ def run_limit(kind: str, args: argparse.Namespace, num_envs: int, policy: nn.Mod
 
 
 async def _collect(name: str, make: Any, policy: nn.Module, args: argparse.Namespace, envs_per_worker: int,
-                   rows: int, meter: Meter) -> None:
+                   rows: int, meter: Meter, zero_copy: bool = False) -> None:
     from aiocollect import Collector
 
     async with Collector(make, policy, frames_per_batch=args.workers * rows * args.steps, num_workers=args.workers,
-                         envs_per_worker=envs_per_worker, seed=SEED) as collector:
+                         envs_per_worker=envs_per_worker, seed=SEED, zero_copy=zero_copy) as collector:
         async for batch in collector:
             if meter.add(batch.numel()):
                 return
 
 
 def run_aiocollect(name: str, make: Any, policy: nn.Module, args: argparse.Namespace, envs_per_worker: int,
-                   rows: int) -> Result:
+                   rows: int, zero_copy: bool = False) -> Result:
     import anyio
 
     meter = Meter(args.seconds, args.warmup)
-    anyio.run(_collect, name, make, policy, args, envs_per_worker, rows, meter, backend_options={"use_uvloop": True})
+    anyio.run(_collect, name, make, policy, args, envs_per_worker, rows, meter, zero_copy,
+              backend_options={"use_uvloop": True})
     return meter.result(name)
 
 
@@ -273,11 +275,14 @@ def main(args: argparse.Namespace) -> int:
     limits = [_guarded("limit cartpole", run_limit, "cartpole", args, n, policy)]
     vec = _guarded("aiocollect vector", run_aiocollect, f"aiocollect vector ({args.workers} x 1 x {n})",
                    lambda: make_cartpole(n), policy, args, 1, n)
+    vec_zc = _guarded("aiocollect vector zero_copy", run_aiocollect,
+                      f"aiocollect vector zero_copy ({args.workers} x 1 x {n})", lambda: make_cartpole(n), policy,
+                      args, 1, n, True)
     single = _guarded("aiocollect single", run_aiocollect, f"aiocollect single ({args.workers} x {n} envs)",
                       "CartPole-v1", policy, args, n, n)
     limits.append(_guarded("limit cartpole", run_limit, "cartpole", args, n, policy))
     out["cartpole"] = _table(f"CartPole-v1, vector entry point, {n} sub-envs per worker, 4-64-2 MLP (argmax)",
-                             limits, [vec, single])
+                             limits, [vec, vec_zc, single])
     if vec.fps and single.fps:
         log(f"vector env over {n} single envs per worker: x{vec.fps / single.fps:.1f}")
     problem = envpool_problem()
