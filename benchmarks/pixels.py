@@ -10,7 +10,7 @@ env and the data path are all there is), for two observation formats (``--obs``)
 
 Setups, one after the other in this process tree, the limit first and last:
 
-* **limit** -- ``--workers`` independent processes (multiprocessing "spawn"), each stepping its envs
+* **limit** -- measured first, last, and between the other setups; ``--workers`` independent processes (multiprocessing "spawn"), each stepping its envs
   in a plain loop with ``action_space.sample()``, resetting at episode ends. No communication, no
   storage. Frames are counted through a shared counter over one common wall-clock window.
 * **gymnasium AsyncVectorEnv** (``shared_memory=True``, one process per env, as gymnasium does it):
@@ -20,10 +20,12 @@ Setups, one after the other in this process tree, the limit first and last:
   default), and with ``zero_copy=True`` (batches are views on the workers' shared memory, valid until
   the next batch is requested): ``async for batch in collector`` under anyio + uvloop.
 
-For each: frames/s, the ratio to the limit (the mean of its two runs), the cores this benchmark's
-processes used, the per-core ratio, the CPU busy elsewhere, and the bytes moved per frame: what the
-workers write into shared memory and what the consumer's process copies out of it (the design's
-figures, printed from the batch layout; the limit moves none).
+For each: frames/s, the ratio to the limit (the mean of its first and last runs), the ratio to the
+limit runs just before and after the setup ("adjacent": this VM's speed drifts by 10-20% within
+minutes, with nothing else running in it), the cores this benchmark's processes used, the per-core
+ratio (frames per CPU-second relative to the adjacent limits'), the CPU busy elsewhere, and the bytes
+moved per frame: what the workers write into shared memory and what the consumer's process copies
+out of it (from the batch layout; the limit moves none).
 
 Run (needs the ``atari`` extra, ale-py and OpenCV: ``bash scripts/run.sh pixels`` installs it)::
 
@@ -251,7 +253,8 @@ def _kb(value: Any) -> str:
     return "-" if value is None else f"{value / 1000:,.1f}"
 
 
-_COLUMNS = ("frames/s", "ratio", "cores used", "per-core ratio", "busy elsewhere", "shm write kB/f", "copy out kB/f")
+_COLUMNS = ("frames/s", "ratio", "adjacent", "cores used", "per-core (adj.)", "busy elsewhere", "shm write kB/f",
+            "copy out kB/f")
 
 
 def _row(name: str, cells: tuple[str, ...]) -> str:
@@ -259,16 +262,25 @@ def _row(name: str, cells: tuple[str, ...]) -> str:
 
 
 def run_format(args: argparse.Namespace, obs: str) -> dict[str, Any]:
-    stages: list[tuple[str, Any]] = [("limit", functools.partial(run_limit, args, obs))]
+    setups: list[tuple[str, Any]] = []
     if not args.skip_gymnasium:
-        stages.append(("AsyncVectorEnv", functools.partial(run_async_vector, args, obs)))
+        setups.append(("AsyncVectorEnv", functools.partial(run_async_vector, args, obs)))
     for zero_copy in (False, True) if not args.copy_only else (False,):
         for delivery in ("sync", "async"):
             name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
-            stages.append((name, functools.partial(run_aiocollect, args, obs, delivery, zero_copy)))
-    stages.append(("limit", functools.partial(run_limit, args, obs)))
+            setups.append((name, functools.partial(run_aiocollect, args, obs, delivery, zero_copy)))
+    limit_stage = ("limit", functools.partial(run_limit, args, obs))
+    # the limit first, last, and (--interleave) between setups: each setup is also compared with the
+    # limits measured just before and just after it, which a slow drift of the machine affects less
+    stages: list[tuple[str, Any]] = [limit_stage]
+    for setup in setups:
+        stages.append(setup)
+        if args.interleave or setup is setups[-1]:
+            stages.append(limit_stage)
+    if not setups:
+        stages.append(limit_stage)
     limits: list[Result] = []
-    results: list[Result] = []
+    results: list[tuple[Result, list[Result]]] = []  # (result, the limits around it)
     for i, (name, fn) in enumerate(stages, 1):
         log(f"[{obs} {i}/{len(stages)}] {name} ...")
         try:
@@ -286,40 +298,50 @@ def run_format(args: argparse.Namespace, obs: str) -> dict[str, Any]:
             log(f"  -> {r.fps:,.0f} frames/s, cores used {r.cpu.get('ours', 0):.2f}, busy elsewhere {r.cpu.get('elsewhere', 0):.2f}")
         else:
             log(f"  -> {r.note}")
-        (limits if name == "limit" else results).append(r)
+        if name == "limit":
+            limits.append(r)
+            if results and len(results[-1][1]) == 1:
+                results[-1][1].append(r)
+        else:
+            results.append((r, [limits[-1]] if limits else []))
 
-    ok = [r.fps for r in limits if r.fps]
-    limit = sum(ok) / len(ok) if ok else None
-    limit_cpu = sum(r.cpu.get("ours", 0) for r in limits) / max(len(limits), 1)
+    ends = [r for r in (limits[0], limits[-1]) if r.fps] if limits else []
+    limit = sum(r.fps for r in ends) / len(ends) if ends else None  # type: ignore[misc]
+    limit_cpu = sum(r.cpu.get("ours", 0) for r in ends) / max(len(ends), 1)
     frame_bytes = int(np.prod(make_pong_space(obs).shape))
     log("")
     log(f"{obs}: {args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, "
-        f"observation {frame_bytes:,} bytes")  # fmt: skip
+        f"observation {frame_bytes:,} bytes; ratio: to the mean of the first and last limit runs; "
+        f"adjacent: to the limit runs just before and after the setup")  # fmt: skip
     log(_row("setup", _COLUMNS))
     if limit:
-        log(_row("limit (mean of 2 runs)", (f"{limit:,.0f}", "1.00", f"{limit_cpu:.2f}", "1.00", "-", "0", "0")))
-    for r in results:
+        log(_row("limit (first and last run)", (f"{limit:,.0f}", "1.00", "1.00", f"{limit_cpu:.2f}", "1.00", "-", "0", "0")))
+    out_results = {}
+    for r, around in results:
         if r.fps is None or not limit:
             log(f"{r.name:<28}  {r.note or 'no limit measured'}")
             continue
-        per_core = (r.fps / r.cpu["ours"]) / (limit / limit_cpu) if r.cpu.get("ours") and limit_cpu else None
+        near = [x for x in around if x.fps]
+        near_fps = sum(x.fps for x in near) / len(near) if near else None  # type: ignore[misc]
+        near_cpu = sum(x.cpu.get("ours", 0) for x in near) / len(near) if near else 0
+        per_core = (r.fps / r.cpu["ours"]) / (near_fps / near_cpu) if r.cpu.get("ours") and near_cpu and near_fps else None
         log(_row(r.name, (
-            f"{r.fps:,.0f}", f"{r.fps / limit:.2f}", f"{r.cpu.get('ours', 0):.2f}",
-            "-" if per_core is None else f"{per_core:.2f}", f"{r.cpu.get('elsewhere', 0):.2f}",
+            f"{r.fps:,.0f}", f"{r.fps / limit:.2f}", "-" if near_fps is None else f"{r.fps / near_fps:.2f}",
+            f"{r.cpu.get('ours', 0):.2f}", "-" if per_core is None else f"{per_core:.2f}",
+            f"{r.cpu.get('elsewhere', 0):.2f}",
             _kb(r.extra.get("shm_write_per_frame")), _kb(r.extra.get("copy_out_per_frame")),
         )))  # fmt: skip
+        out_results[r.name] = {**asdict(r), "ratio": r.fps / limit, "ratio_adjacent": None if near_fps is None else r.fps / near_fps,
+                               "per_core_ratio_adjacent": per_core}
     drift = None
-    if len(ok) == 2:
-        drift = abs(ok[1] - ok[0]) / max(ok)
-        log(f"limit at the start / at the end: {ok[0]:,.0f} / {ok[1]:,.0f} frames/s (differ by {drift:.0%})"
+    ok = [r.fps for r in limits if r.fps]
+    if len(ends) == 2:
+        drift = abs(ends[1].fps - ends[0].fps) / max(ends[0].fps, ends[1].fps)  # type: ignore[operator]
+        log(f"limit at the start / at the end: {ends[0].fps:,.0f} / {ends[1].fps:,.0f} frames/s (differ by {drift:.0%})"
             + ("  <- the machine's load changed: ratios unreliable" if drift > 0.10 else ""))  # fmt: skip
-    return {
-        "obs": obs,
-        "limit_fps": limit,
-        "limit_runs": ok,
-        "limit_drift": drift,
-        "results": {r.name: {**asdict(r), "ratio": (r.fps / limit if r.fps and limit else None)} for r in results},
-    }
+    if len(ok) > 2:
+        log(f"every limit run: {' / '.join(f'{x:,.0f}' for x in ok)} frames/s")
+    return {"obs": obs, "limit_fps": limit, "limit_runs": ok, "limit_drift": drift, "results": out_results}
 
 
 def make_pong_space(obs: str) -> gym.Space:
@@ -341,6 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="run everything this many times (default 1)")
     p.add_argument("--skip-gymnasium", action="store_true", help="skip gymnasium's AsyncVectorEnv")
     p.add_argument("--copy-only", action="store_true", help="skip the zero_copy setups")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="measure the limit only first and last (default: also between setups)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     n = args.workers * args.envs_per_worker
