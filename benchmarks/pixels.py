@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import functools
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -57,12 +56,11 @@ from _util import (  # noqa: E402
     Result,
     become_subreaper,
     child_signals,
-    cpu_snapshot,
-    cpu_usage,
     log,
     machine,
     machine_line,
     reap,
+    run_limit_processes,
     sigterm_as_interrupt,
 )
 
@@ -106,48 +104,8 @@ def _limit_worker(rank: int, num_envs: int, obs: str, counter: Any, ready: Any, 
 
 
 def run_limit(args: argparse.Namespace, obs: str) -> Result:
-    ctx = mp.get_context("spawn")
-    counters = [ctx.RawValue("q", 0) for _ in range(args.workers)]
-    readies = [ctx.Event() for _ in range(args.workers)]
-    go, stop = ctx.Event(), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_limit_worker,
-            args=(rank, args.envs_per_worker, obs, counters[rank], readies[rank], go, stop),
-            name=f"limit-{rank}",
-            daemon=True,
-        )
-        for rank in range(args.workers)
-    ]
-    try:
-        with child_signals():
-            for p in procs:
-                p.start()
-        deadline = time.monotonic() + 120.0
-        for p, ready in zip(procs, readies, strict=True):
-            while not ready.wait(0.1):
-                if not p.is_alive():
-                    raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{p.name} not ready after 120 s")
-        go.set()
-        time.sleep(args.warmup)
-        cpu0 = cpu_snapshot()
-        c0, t0 = [c.value for c in counters], time.perf_counter()
-        time.sleep(args.seconds)
-        c1, t1 = [c.value for c in counters], time.perf_counter()
-        cpu1 = cpu_snapshot()
-    finally:
-        stop.set()
-        go.set()
-        for p in procs:
-            if p.pid is not None:
-                p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    frames = sum(c1) - sum(c0)
-    return Result("limit", frames / (t1 - t0), frames, t1 - t0, cpu=cpu_usage(cpu0, cpu1))
+    return run_limit_processes(_limit_worker, lambda rank: (rank, args.envs_per_worker, obs), args.workers,
+                               args.warmup, args.seconds, "limit")
 
 
 # --------------------------------------------------------------------------------------------------
