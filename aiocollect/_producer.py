@@ -55,9 +55,9 @@ def out_nbytes(layout: SlotLayout, rows: int) -> int:
     return max(pos, 1)
 
 
-def whole_slots(layout: SlotLayout, buffer: Any) -> list[dict[Key, torch.Tensor]]:
-    """Per slot: every worker's rows of each leaf, as torch tensors over ``buffer``."""
-    return [{k: torch.from_numpy(v) for k, v in layout.views(buffer, s).items()} for s in range(layout.num_slots)]
+def whole_slots(layout: SlotLayout, buffer: Any) -> list[dict[Key, np.ndarray]]:
+    """Per slot: every worker's rows of each leaf, as numpy views over ``buffer``."""
+    return [layout.views(buffer, s) for s in range(layout.num_slots)]
 
 
 class Lease:
@@ -260,12 +260,11 @@ class Producer:
 
             mapping = mmap.mmap(run.segment[0], layout.slot_nbytes, offset=slot * layout.slot_nbytes)  # type: ignore[index]
             mappings.append(mapping)
-            np_views = layout.views(mapping, slot, None if whole else parts[0][0].index, mapped_slot=True)
-            views = [{k: torch.from_numpy(v) for k, v in np_views.items()}]
+            views = [layout.views(mapping, slot, None if whole else parts[0][0].index, mapped_slot=True)]
         elif whole:
             views = [run.slot_views[slot]]
         else:
-            views = [w.slots.views[s] for w, s in parts]
+            views = [w.slots.np_views[s] for w, s in parts]
         share = bool(zero_copy) and len(views) == 1
         E = layout.num_envs * len(parts)
         T = layout.frames_per_env
@@ -277,18 +276,20 @@ class Producer:
             flat: dict[Key, torch.Tensor] = {}
             pos = 0
             for leaf in layout.leaves:
-                tensors = [v[leaf.key] for v in views]
+                arrays = [v[leaf.key] for v in views]
                 if chunk is None:
-                    flat[leaf.key] = tensors[0]
+                    flat[leaf.key] = torch.from_numpy(arrays[0])
                     continue
                 nbytes = E * T * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
-                out = torch.from_numpy(chunk[pos : pos + nbytes].view(leaf.np_dtype).reshape((E, T) + leaf.shape))
+                out = chunk[pos : pos + nbytes].view(leaf.np_dtype).reshape((E, T) + leaf.shape)
                 pos = _aligned(pos + nbytes)
-                if len(tensors) > 1:
-                    torch.cat(tensors, out=out)
+                # numpy copies in this one thread (releasing the GIL); torch's would wake its
+                # intra-op thread pool, whose spinning threads take CPU from the workers
+                if len(arrays) > 1:
+                    np.concatenate(arrays, out=out)
                 else:
-                    out.copy_(tensors[0])
-                flat[leaf.key] = out
+                    np.copyto(out, arrays[0])
+                flat[leaf.key] = torch.from_numpy(out)
             flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
             for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)

@@ -152,7 +152,7 @@ class Run:
         self.configs: list[RolloutConfig] = []
         self.layout: SlotLayout | None = None
         self.segment: tuple[int, Any] | None = None  # the slots' memfd and the collector's mapping of it
-        self.slot_views: list[dict] = []  # per slot: every worker's rows, as torch tensors
+        self.slot_views: list[dict] = []  # per slot: every worker's rows, as numpy views
         self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
         self.sub_envs = 1  # of each env: a vector env's num_envs (learned from the workers' specs)
         self.bar: Any = None

@@ -15,12 +15,11 @@ from collections import deque
 from typing import Any, Awaitable, Callable
 
 import anyio
-import torch
 
 from . import _heartbeat, _shm
 from ._child import ChildProcess, started_pids, worker_error
 from ._errors import SpecError
-from ._layout import Key, SlotLayout
+from ._layout import SlotLayout
 from ._rollout import Rollout, RolloutConfig
 from ._vector import open_rollout
 
@@ -31,14 +30,11 @@ OnApplied = Callable[[Any, int], Awaitable[None]]
 
 
 class _Slots:
-    """Slot views as torch tensors over one worker's rows of the slots' segment."""
+    """numpy views of each slot over one worker's rows of the slots' segment."""
 
     def __init__(self, layout: SlotLayout, buffer: Any, worker: int) -> None:
         self.layout = layout
         self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
-        self.views: list[dict[Key, torch.Tensor]] = [
-            {k: torch.from_numpy(v) for k, v in views.items()} for views in self.np_views
-        ]
 
 
 class WorkerHandle:
