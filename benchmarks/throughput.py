@@ -58,7 +58,6 @@ import argparse
 import contextlib
 import functools
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -81,14 +80,13 @@ from _util import (
     Result,
     become_subreaper,
     child_signals,
-    cpu_snapshot,
-    cpu_usage,
     descendants,
     log,
     machine,
     machine_line,
     percentiles_ms,
     reap,
+    run_limit_processes,
     sigterm_as_interrupt,
 )
 
@@ -155,65 +153,9 @@ def _limit_worker(
 
 
 def run_limit(args: argparse.Namespace, policy: ArgmaxMLP) -> Result:
-    ctx = mp.get_context("spawn")
     state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-    counters = [ctx.RawValue("q", 0) for _ in range(args.workers)]
-    readies = [ctx.Event() for _ in range(args.workers)]
-    go, stop = ctx.Event(), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_limit_worker,
-            args=(rank, args.envs_per_worker, state, counters[rank], readies[rank], go, stop),
-            name=f"limit-{rank}",
-            daemon=True,
-        )
-        for rank in range(args.workers)
-    ]
-    try:
-        with child_signals():
-            for p in procs:
-                p.start()
-        deadline = time.monotonic() + 120.0
-        for p, ready in zip(procs, readies, strict=True):
-            while not ready.wait(0.1):
-                if not p.is_alive():
-                    raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{p.name} not ready after 120 s")
-        go.set()
-        time.sleep(args.warmup)
-        cpu0 = cpu_snapshot()
-        c0, t0 = [c.value for c in counters], time.perf_counter()
-        time.sleep(args.seconds)
-        c1, t1 = [c.value for c in counters], time.perf_counter()
-        cpu1 = cpu_snapshot()
-        for p in procs:
-            if not p.is_alive():
-                raise RuntimeError(f"{p.name} died during the measurement (exit code {p.exitcode})")
-    finally:
-        stop.set()
-        go.set()  # in case we failed before the start
-        for p in procs:
-            if p.pid is not None:
-                p.join(5.0)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    frames = sum(c1) - sum(c0)
-    per_proc = [(b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True)]
-    name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
-    return Result(
-        name,
-        frames / (t1 - t0),
-        frames,
-        t1 - t0,
-        cpu=cpu_usage(cpu0, cpu1),
-        extra={"fps_per_process": per_proc},
-    )
+    return run_limit_processes(_limit_worker, lambda rank: (rank, args.envs_per_worker, state), args.workers,
+                               args.warmup, args.seconds, f"limit ({args.workers} procs x {args.envs_per_worker} envs)")
 
 
 # --------------------------------------------------------------------------------------------------
