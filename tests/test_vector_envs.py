@@ -19,27 +19,12 @@ from aiocollect import Collector, ConfigError, SpecError
 from aiocollect.events import EpisodeEnded, WorkerRestarted
 from aiocollect.testing import CountingEnv
 
+from test_collector import AlwaysOne, ArgmaxMLP
+
 pytestmark = pytest.mark.timeout(60)
 
 NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
 LENGTHS = (3, 4, 6)  # episode lengths of the sub-envs of a counting vector env
-
-
-class ArgmaxMLP(torch.nn.Module):
-    """The 4-64-2 MLP of the benchmarks, acting greedily."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
-
-
-class AlwaysOne(torch.nn.Module):
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return torch.ones(obs.shape[0], dtype=torch.int64)
 
 
 def cartpole(num_envs: int = 4, **kwargs):
