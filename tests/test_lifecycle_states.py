@@ -144,12 +144,20 @@ class CollectorLifecycle(RuleBasedStateMachine):
     def enable_profile(self) -> None:
         config = ProfileConfig(workers=[0], num_rollouts=2, warmup_rollouts=1,
                                save_path=self.traces.name + "/t_{worker_idx}.json")
-        # (the collector's synchronous methods are called in its loop's thread, as in a program)
-        if self.c.state in (State.STOPPED, State.CLOSED):
-            with pytest.raises(CollectorClosedError):
-                self.call(self.c.enable_profile, config)
-        else:
-            self.call(self.c.enable_profile, config)
+
+        # The collector's synchronous methods are called in its loop's thread, as in a program, and
+        # its state is read there in the same step: a run that reaches total_frames stops on its own
+        # (the loop's thread moves it to STOPPED), so a state read from this thread may be stale.
+        def attempt() -> tuple[bool, bool]:
+            stopped = self.c.state in (State.STOPPED, State.CLOSED)
+            try:
+                self.c.enable_profile(config)
+            except CollectorClosedError:
+                return stopped, True
+            return stopped, False
+
+        stopped, raised = self.call(attempt)
+        assert raised == stopped, f"enable_profile() on a {self.c.state.value} collector: raised={raised}"
 
     @rule()
     def disable_profile(self) -> None:
