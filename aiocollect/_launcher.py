@@ -86,7 +86,7 @@ def main() -> None:
         except BaseException as exc:  # noqa: BLE001 - report through the worker's socket
             import traceback
 
-            from ._worker import pack_exception
+            from ._peer import pack_exception
 
             if request.get("op") == "spawn" and fds:
                 try:

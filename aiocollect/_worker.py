@@ -31,70 +31,11 @@ import os
 import socket
 import sys
 import time
-import traceback
 from collections import deque
 from typing import Any
 
-from . import _heartbeat, _wire
-
-_TICK = 0.02  # seconds between checks for messages (stop, abort, new weights) between steps
-
-
-class _Stop(Exception):
-    """The collector's side is gone or closed this worker's socket: exit."""
-
-
-class Peer:
-    """A worker process's end of its socket to the collector (or evaluator): blocking sends and
-    receives, and a cheap between-steps check for messages that arrived meanwhile."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._next_tick = 0.0
-
-    def send(self, msg: Any, fds: tuple[int, ...] = ()) -> None:
-        try:
-            _wire.send_blocking(self.sock, msg, fds)
-        except OSError:  # the other side is gone
-            raise _Stop from None
-
-    def recv(self) -> tuple[Any, list[int]]:
-        try:
-            got = _wire.recv_blocking(self.sock)
-        except OSError:
-            got = None
-        if got is None:  # end of file: the other side's process is gone or closed us
-            raise _Stop
-        return got
-
-    def tick(self) -> None:
-        """Between steps, at most every ``_TICK`` seconds: hand each waiting message to
-        :meth:`handle`; a closed socket raises ``_Stop``."""
-        now = time.monotonic()
-        if now < self._next_tick:
-            return
-        self._next_tick = now + _TICK
-        while True:
-            try:
-                if not _wire.message_waiting(self.sock):
-                    return
-            except EOFError:
-                raise _Stop from None
-            self.handle(*self.recv())
-
-    def handle(self, msg: Any, fds: list[int]) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-def pack_exception(exc: BaseException) -> bytes:
-    import cloudpickle
-
-    try:
-        data = cloudpickle.dumps(exc)
-        cloudpickle.loads(data)
-        return data
-    except Exception:
-        return cloudpickle.dumps(RuntimeError(f"{type(exc).__qualname__}: {exc}"))
+from . import _heartbeat
+from ._peer import _TICK, Peer, _Stop, pack_exception, serve_peer  # noqa: F401 - re-exported
 
 
 class Worker(Peer):
@@ -195,33 +136,14 @@ class Worker(Peer):
             self.batches += 1
 
 
+def _close(worker: Worker) -> None:
+    if worker.rollout is not None:
+        worker.rollout.close()
+
+
 def serve(fd: int) -> None:
     """Run a worker on the socket ``fd``; never returns."""
-    code = 0
-    worker = None
-    try:
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(True)
-        worker = Worker(sock)
-        try:
-            worker.run()
-        except _Stop:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - everything is reported to the collector
-            code = 1
-            tb = traceback.format_exc()
-            try:
-                worker.send(("error", pack_exception(exc), tb))
-            except BaseException:  # noqa: BLE001
-                sys.stderr.write(tb)
-    finally:
-        try:
-            if worker is not None and worker.rollout is not None:
-                worker.rollout.close()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    serve_peer(fd, Worker, _close)
 
 
 if __name__ == "__main__":  # pragma: no cover - spawned-interpreter mode
