@@ -52,10 +52,13 @@ def check_data_options(check_finite: Any, action_bounds: Any) -> None:
         )
 
 
-def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+def _positive_int(name: str, value: Any, *, allow_zero: bool = False, fix: str = "") -> int:
+    """``value``, an int >= 1 (>= 0 with ``allow_zero``; never a bool), or :class:`ConfigError`
+    naming ``name`` (and ``fix``, the way out, when given). The collector's and the evaluator's
+    config both use it."""
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name}={value!r} must be an int >= {low}")
+        raise ConfigError(f"{name}={value!r} must be an int >= {low}" + (f"; {fix}" if fix else ""))
     return value
 
 

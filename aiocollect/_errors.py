@@ -93,3 +93,21 @@ class EndOfCollection(AiocollectError):
     """Raised by :meth:`Collector.collect` once ``total_frames`` frames have been delivered.
 
     ``async for`` ends quietly instead."""
+
+
+# -- evaluator
+
+
+class EvaluatorClosedError(AiocollectError, RuntimeError):
+    """Raised when a closed :class:`~aiocollect.Evaluator` is used again (started, evaluated
+    with, triggered), and by an ``evaluate()`` call still waiting when the evaluator is closed. A
+    closed evaluator cannot be reopened: build a new one."""
+
+
+class EvaluatorBusyError(AiocollectError, RuntimeError):
+    """Raised by :meth:`Evaluator.trigger <aiocollect.Evaluator.trigger>` when an evaluation is
+    pending and ``busy_policy="error"``, or when ``busy_policy="queue"`` and ``max_queued``
+    evaluations already wait. Nothing is scheduled then."""
+
+
+__all__ += ["EvaluatorClosedError", "EvaluatorBusyError"]

@@ -2,15 +2,11 @@
 each episode's return and length.
 
 Forked by the launcher (entry ``aiocollect._eval_worker:serve``) and talked to over one Unix
-socket with small messages (:mod:`aiocollect._wire`); weights arrive as a state dict pickled in
-the ``evaluate`` message. Protocol (``P`` parent, ``W`` worker)::
-
-    W: ("hello", pid)
-    P: ("config", cloudpickle(EvalWorkerConfig))   + fd, with a step_timeout: the heartbeat's memfd
-    W: ("ready",)                        or ("error", packed exception, traceback): it then exits
-    P: ("evaluate", id, weights, n)      weights: None or (kind, {name: tensor})
-    W: ("result", id, returns, lengths)  or ("failed", id, packed exception, traceback)
-    P: ("abort", id)                     the caller gave up: W answers ("aborted", id)
+socket with the typed messages of :mod:`aiocollect._eval_wire` (whose docstring holds the
+protocol); weights arrive as a state dict pickled in the :class:`~aiocollect._eval_wire.Evaluate`
+message. The socket's shell (blocking sends and receives, the serve loop, how a fatal error is
+reported) is :mod:`aiocollect._peer`, shared with the rollout workers; making and closing the
+envs is :mod:`aiocollect._envs`.
 
 With a ``step_timeout`` the worker keeps a heartbeat (:mod:`aiocollect._heartbeat`) in the memfd
 sent with the config: before each env reset, env step and policy call of an evaluation, and idle
@@ -26,42 +22,22 @@ runs episodes, or when the launcher it was forked from dies (SIGKILL by the pare
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import mmap
 import os
 import socket
-import sys
 import traceback
 from typing import Any
 
 import numpy as np
 
-from ._checks import ActionBounds, ActionGuard, check_reward, check_value, short
+from ._checks import ActionGuard, check_reward, check_value, short
 from . import _heartbeat
+from ._envs import add_envs, close_envs
 from ._errors import SpecError
+from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Ready, Result
 from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
-from ._rollout import add_envs, close_envs
-from ._worker import Peer, _Stop, pack_exception
-
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalWorkerConfig:
-    """What the worker needs (sent once, with cloudpickle)."""
-
-    env_fn: Any  # a gymnasium id or a callable returning a gymnasium.Env
-    env_kwargs: dict
-    policy_mode: str  # "random", "object" (payload is the policy) or "factory" (payload builds it)
-    policy_payload: Any
-    exploration_type: str
-    num_envs: int
-    max_steps: int | None
-    seed: int | None
-    nice: int = 0
-    registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
-    check_finite: bool = False
-    action_bounds: ActionBounds = "pass"
+from ._peer import Peer, _Stop, pack_exception, serve_peer
 
 
 class _Abort(Exception):
@@ -78,7 +54,7 @@ class EvalWorker(Peer):
     def handle(self, msg: Any, fds: list[int]) -> None:
         """A message between steps (see :meth:`Peer.tick`): only an abort of the evaluation in
         progress matters there."""
-        if msg[0] == "abort" and msg[1] == self.current:
+        if isinstance(msg, Abort) and msg.id == self.current:
             raise _Abort
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -292,30 +268,31 @@ class EvalWorker(Peer):
         self.send(("hello", os.getpid()))
         msg, fds = self.recv()
         try:
-            self.setup(cloudpickle.loads(msg[1]))
+            if not isinstance(msg, Configure):  # pragma: no cover - protocol error
+                raise RuntimeError(f"the evaluator's worker: expected Configure, got {msg!r:.100}")
+            self.setup(cloudpickle.loads(msg.config))
             if fds:  # a step_timeout: from now on (start-up is not watched)
                 self.hb = _heartbeat.install(mmap.mmap(fds[0], _heartbeat.NBYTES), fds[0], 0)
         finally:
             for fd in fds:
                 os.close(fd)
-        self.send(("ready",))
+        self.send(Ready())
         while True:
             msg = self.recv()[0]
-            if msg[0] != "evaluate":
-                continue  # an abort that came after its evaluation finished
-            _, rid, weights, n = msg
-            self.current = rid
+            if not isinstance(msg, Evaluate):
+                continue  # an Abort that came after its evaluation finished
+            self.current = rid = msg.id
             try:
-                self.load_weights(weights)
-                returns, lengths = self.evaluate(n)
+                self.load_weights(msg.weights)
+                returns, lengths = self.evaluate(msg.episodes)
             except _Abort:
-                self.send(("aborted", rid))
+                self.send(Aborted(rid))
             except (_Stop, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 - reported; the worker stays usable
-                self.send(("failed", rid, pack_exception(exc), traceback.format_exc()))
+                self.send(Failed(rid, pack_exception(exc), traceback.format_exc()))
             else:
-                self.send(("result", rid, returns, lengths))
+                self.send(Result(rid, returns, lengths))
             finally:
                 self.current = None
 
@@ -325,28 +302,4 @@ class EvalWorker(Peer):
 
 def serve(fd: int) -> None:
     """Run the evaluator's worker on the socket ``fd``; never returns."""
-    code = 0
-    worker = None
-    try:
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(True)
-        worker = EvalWorker(sock)
-        try:
-            worker.run()
-        except _Stop:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - set-up errors are reported to the parent
-            code = 1
-            tb = traceback.format_exc()
-            try:
-                worker.send(("error", pack_exception(exc), tb))
-            except BaseException:  # noqa: BLE001
-                sys.stderr.write(tb)
-    finally:
-        try:
-            if worker is not None:
-                worker.close()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    serve_peer(fd, EvalWorker, EvalWorker.close)

@@ -19,9 +19,9 @@ import anyio
 
 from . import events as ev
 from ._child import add_note
-from ._rollout import RolloutConfig
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ._rollout import RolloutConfig
     from ._run import Run
     from ._workers import WorkerHandle
 

@@ -1,0 +1,131 @@
+"""The evaluator's wire: the messages between the evaluator (:mod:`aiocollect._eval_run`,
+through :class:`aiocollect._eval_process.EvalProcess`) and its worker process
+(:mod:`aiocollect._eval_worker`), as frozen dataclasses.
+
+They travel over one Unix socket as small pickled frames (:mod:`aiocollect._wire`); weights ride
+in the :class:`Evaluate` message as a CPU state dict. Protocol (``P`` parent, ``W`` worker)::
+
+    W: ("hello", pid)                    the handshake every child process starts with
+    P: Configure(cloudpickle(EvalWorkerConfig))  + fd, with a step_timeout: the heartbeat's memfd
+    W: Ready()                           or ("error", packed exception, traceback): it then exits
+    P: Evaluate(id, weights, episodes)   weights: None or (kind, {name: tensor})
+    W: Result(id, returns, lengths)      or Failed(id, packed exception, traceback)
+    P: Abort(id)                         the caller gave up: W answers Aborted(id)
+    W: ("error", packed exception, traceback)   at any time: a fatal error, the worker exits
+    P: end-of-file (shutdown(SHUT_WR))   close the envs and exit
+
+The hello and the fatal error stay tuples: they are the shape every child process (rollout
+workers too) and the launcher send, read by :class:`aiocollect._child.ChildProcess`
+(:func:`is_fatal` recognises the error). An :class:`Abort` that arrives after its evaluation
+finished is ignored. A :class:`Failed` evaluation leaves the worker usable.
+
+Imported by worker processes: standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._checks import ActionBounds
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalWorkerConfig:
+    """What the worker needs (sent once, with cloudpickle, in :class:`Configure`)."""
+
+    env_fn: Any  # a gymnasium id or a callable returning a gymnasium.Env
+    env_kwargs: dict
+    policy_mode: str  # "random", "object" (payload is the policy) or "factory" (payload builds it)
+    policy_payload: Any
+    exploration_type: str
+    num_envs: int
+    max_steps: int | None
+    seed: int | None
+    nice: int = 0
+    registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
+    check_finite: bool = False
+    action_bounds: ActionBounds = "pass"
+
+
+# -- parent to worker ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Configure:
+    """The worker's settings, once, after its hello."""
+
+    config: bytes  # cloudpickle(EvalWorkerConfig): env factories and policies may be lambdas
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Evaluate:
+    """Run ``episodes`` episodes with ``weights`` (``None``: the weights the policy was built with)."""
+
+    id: int
+    weights: tuple[str, dict] | None  # (kind, {name: tensor}): kind "state_dict" or "params"
+    episodes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop evaluation ``id`` between two steps (its caller gave up)."""
+
+    id: int
+
+
+# -- worker to parent ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+    """The envs are made and the policy fits them: evaluations may come."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """Evaluation ``id`` completed: one return and one length per episode, in episode order."""
+
+    id: int
+    returns: list[float]
+    lengths: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Aborted:
+    """Evaluation ``id`` was stopped by an :class:`Abort`."""
+
+    id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    """Evaluation ``id`` raised (the env, the policy, the weights): the worker stays usable."""
+
+    id: int
+    exception: bytes  # aiocollect._peer.pack_exception(exc)
+    traceback: str
+
+
+#: An answer to an :class:`Evaluate` (or the fatal error tuple).
+Answer = Union[Result, Aborted, Failed, tuple]
+
+
+def is_fatal(msg: Any) -> bool:
+    """``msg`` is the fatal ``("error", packed exception, traceback)`` of a worker that exits."""
+    return isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "error"
+
+
+__all__ = [
+    "Abort",
+    "Aborted",
+    "Answer",
+    "Configure",
+    "EvalWorkerConfig",
+    "Evaluate",
+    "Failed",
+    "Ready",
+    "Result",
+    "is_fatal",
+]
