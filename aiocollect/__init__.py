@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Collector": "._collector",
     "CollectorConfig": "._config",
+    "CollectorState": "._run",
     "State": "._run",
     "WorkerTimeoutError": "._errors",
     "AiocollectError": "._errors",
@@ -39,10 +40,10 @@ _EXPORTS = {
     "SliceSampler": "._samplers",
     "SamplingError": "._samplers",
     "Evaluator": "._evaluator",
-    "EvaluatorConfig": "._evaluator",
-    "EvaluatorState": "._evaluator",
-    "EvaluatorBusyError": "._evaluator",
-    "EvaluatorClosedError": "._evaluator",
+    "EvaluatorConfig": "._eval_config",
+    "EvaluatorState": "._eval_config",
+    "EvaluatorBusyError": "._errors",
+    "EvaluatorClosedError": "._errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._collector import Collector as Collector
     from ._bus import Subscription as Subscription
     from ._bus import SubscriptionOverflowError as SubscriptionOverflowError
+    from ._run import CollectorState as CollectorState
     from ._run import State as State
     from ._stats import CollectorStats as CollectorStats
     from ._config import CollectorConfig as CollectorConfig
@@ -64,10 +66,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import WorkerTimeoutError as WorkerTimeoutError
     from ._launcher import shutdown_launcher as shutdown_launcher
     from ._evaluator import Evaluator as Evaluator
-    from ._evaluator import EvaluatorBusyError as EvaluatorBusyError
-    from ._evaluator import EvaluatorClosedError as EvaluatorClosedError
-    from ._evaluator import EvaluatorConfig as EvaluatorConfig
-    from ._evaluator import EvaluatorState as EvaluatorState
+    from ._errors import EvaluatorBusyError as EvaluatorBusyError
+    from ._errors import EvaluatorClosedError as EvaluatorClosedError
+    from ._eval_config import EvaluatorConfig as EvaluatorConfig
+    from ._eval_config import EvaluatorState as EvaluatorState
     from ._profiling import ProfileConfig as ProfileConfig
     from ._replay import ReplayBuffer as ReplayBuffer
     from ._samplers import Sampler as Sampler

@@ -1,28 +1,30 @@
 """The collector: the public front of a run of worker processes (lifecycle, consuming, weights,
-events, the blocking wrapper). The run itself, its tasks and its state live in
+profiling, seeding). The run itself, its tasks and its state live in
 :class:`aiocollect._run.Run`, which never refers back to the front: a forgotten collector can be
-garbage-collected, and its finalizer stops the run."""
+garbage-collected, and its finalizer stops the run.
+
+Events (``on``, ``subscribe``, ``wait_for``) come from the base it shares with the evaluator,
+:class:`aiocollect._service.Service`; the blocking wrapper (``with``, ``for``, ``close()``) from
+:class:`aiocollect._blocking.BlockingMixin`; the work behind ``set_seed`` / ``state_dict`` /
+``load_state_dict`` is :mod:`aiocollect._resume`."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Mapping, Sequence
 
 import anyio
 
-from . import events as ev
-from ._bus import Overflow, Subscription
+from . import _resume
+from ._blocking import BlockingMixin, Portal
 from ._config import CollectorConfig
 from ._errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
 from ._launcher import get_launcher
-from ._limits import check_seed
 from ._policy import PolicySpec, classify
 from ._profiling import ProfileConfig
-from ._resource import AsyncResource
-from ._run import Run, State, loop_token
+from ._run import CollectorState, Run, State  # noqa: F401 - State re-exported
+from ._service import Service, warn_unclosed
 from ._stats import CollectorStats
 from ._weights import check_weights
 from ._weightsync import Updates, check_worker_ids
@@ -30,10 +32,8 @@ from ._weightsync import Updates, check_worker_ids
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
     from tensordict import TensorDict
 
-E = TypeVar("E", bound=ev.Event)
 
-
-class Collector(AsyncResource):
+class Collector(Service, BlockingMixin):
     """Collects experience from gymnasium envs stepped in worker processes.
 
     >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
@@ -97,6 +97,9 @@ class Collector(AsyncResource):
 
     See :class:`CollectorConfig` for every option.
     """
+
+    _closed_error = CollectorClosedError
+    _ended = "the collector stopped"
 
     def __init__(
         self,
@@ -167,7 +170,7 @@ class Collector(AsyncResource):
             action_bounds=action_bounds,  # type: ignore[arg-type]
         )
         self._run = run = Run(self.config)
-        self._portal = portal = _Portal(run)
+        self._portal = portal = Portal(run)
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
@@ -179,7 +182,7 @@ class Collector(AsyncResource):
 
     # -- public state -----------------------------------------------------------------------------
     @property
-    def state(self) -> State:
+    def state(self) -> CollectorState:
         return self._run.state
 
     @property
@@ -275,45 +278,11 @@ class Collector(AsyncResource):
         for name, weights in updates.items():
             if weights is not None:
                 check_weights(weights, updates.argument(name))
-        if run.state is State.CREATED:
+        if run.state is CollectorState.CREATED:
             run.sync.check_before_start(updates)
         return await run.update_weights(updates, worker_ids, wait)
 
-    # -- events ---------------------------------------------------------------------------------
-    def on(self, event_type: type[E], handler: Callable[[E], Any] | None = None) -> Any:
-        """Call ``handler(event)`` (sync or async, awaited in registration order) for each event
-        of ``event_type`` or a subclass (see :mod:`aiocollect.events`). Returns a handle whose
-        ``remove()`` unsubscribes; without ``handler`` it is a decorator.
-
-        Handlers run in the collector's own task, before the batch they concern is delivered: a
-        slow handler slows collection (that is what hooks are for; use :meth:`subscribe` to
-        watch without ever slowing anything). An exception in a handler stops the collector and
-        is raised to the consumer.
-
-        >>> @collector.on(EpisodeEnded)                     # doctest: +SKIP
-        ... def log(event): print(event.ret)
-        """
-        return self._run.bus.on(event_type, handler)
-
-    def subscribe(
-        self, event_type: type[E], *, max_buffer: int = 1024, overflow: Overflow = "drop_oldest"
-    ) -> Subscription[E]:
-        """A bounded stream of events of ``event_type``: ``async for event in subscription``
-        (ends when the collector stops). A subscriber that falls behind loses events by its
-        ``overflow`` policy (``"drop_oldest"``, ``"drop_newest"`` or ``"error"``, counted in
-        ``subscription.dropped``); it never slows the collector or the other subscribers."""
-        return self._run.bus.subscribe(event_type, max_buffer=max_buffer, overflow=overflow)
-
-    async def wait_for(self, event_type: type[E], predicate: Callable[[E], bool] | None = None) -> E:
-        """The next event of ``event_type`` that ``predicate`` accepts. Raises
-        :class:`CollectorClosedError` if the collector stops first."""
-        try:
-            return await self._run.bus.wait_for(event_type, predicate)
-        except anyio.EndOfStream:
-            raise CollectorClosedError(
-                f"the collector stopped before a matching {event_type.__name__} event"
-            ) from None
-
+    # -- profiling and stats ---------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
         """Profile chosen workers (and the collector's process) with ``torch.profiler``: pass a
         :class:`ProfileConfig` or its fields as keywords. Call it at any time (before start,
@@ -360,13 +329,6 @@ class Collector(AsyncResource):
         return run.stats.snapshot(run.frames, run.batches)
 
     # -- seeding and state ------------------------------------------------------------------------
-    def _require_created(self, what: str) -> None:
-        if self._run.state is not State.CREATED:
-            raise AiocollectError(
-                f"{what} must be called before the collector starts (it is {self._run.state.value}); call it "
-                f"right after constructing the collector, before `async with` / start()"
-            )
-
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the envs: env ``k`` (counted over all workers) is reset with ``seed + k`` (or
         ``seed`` itself with ``static_seed=True``), and a random policy samples each env's action
@@ -379,68 +341,18 @@ class Collector(AsyncResource):
         Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
         pass torch's limit (``2**64 - 1``).
         """
-        self._require_created("set_seed()")
-        check_seed(seed, offset=self.config.seed_offset, optional=False)
-        if not isinstance(static_seed, bool):
-            raise ConfigError(f"static_seed={static_seed!r} must be True or False")
-        run = self._run
-        run.seed, run.static_seed = seed, bool(static_seed)
-        return seed if static_seed else seed + run.total_rows
+        return _resume.set_seed(self._run, seed, static_seed)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters to resume from: frames and batches delivered, the next trajectory number of
         each env (so trajectory ids stay unique after a resume), and the seeds."""
-        run = self._run
-        counters = run.counters or run.start_counters or [0] * run.total_rows
-        seed = run.seed
-        return {
-            "frames": run.frames,
-            "batches": run.batches,
-            "collected_frames": run.collected,
-            "traj_counters": [k + 1 for k in counters] if run.counters else list(counters),
-            "seed": seed,
-            "static_seed": run.static_seed,
-            "next_seed": None if seed is None else (seed if run.static_seed else seed + run.total_rows),
-        }
+        return _resume.state_dict(self._run)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume counters from :meth:`state_dict` (before start). ``total_frames`` counts the
         restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
         run does not replay the same episodes."""
-        self._require_created("load_state_dict()")
-        fix = "pass what collector.state_dict() returned"
-        if not isinstance(state, Mapping):
-            raise ConfigError(f"state={state!r:.200} is a {type(state).__name__}, not a state_dict() of a Collector; {fix}")
-        try:
-            if isinstance(state["traj_counters"], (str, bytes, Mapping)):
-                raise TypeError(f"traj_counters is a {type(state['traj_counters']).__name__}, not a list")
-            counters = [int(k) for k in state["traj_counters"]]
-            frames, batches = int(state["frames"]), int(state["batches"])
-            collected = int(state.get("collected_frames", frames))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"state={state!r:.200} is not a state_dict() of a Collector ({type(exc).__name__}: {exc}); {fix}"
-            ) from None
-        negative = [(k, v) for k, v in (("frames", frames), ("batches", batches), ("collected_frames", collected)) if v < 0]
-        negative += [("traj_counters", counters)] if any(k < 0 for k in counters) else []
-        if negative:
-            raise ConfigError(f"state has {negative[0][0]}={negative[0][1]!r:.100}, below 0; {fix}")
-        check_seed(state.get("next_seed"), "state['next_seed']", offset=self.config.seed_offset)
-        if not isinstance(state.get("static_seed", False), bool):
-            raise ConfigError(f"state has static_seed={state['static_seed']!r}, not True or False; {fix}")
-        if not counters or len(counters) % self.config.total_envs:  # (vector envs: checked again at start)
-            raise ConfigError(
-                f"state has trajectory counters for {len(counters)} envs, this collector has "
-                f"{self.config.total_envs}; resume with the same num_workers * envs_per_worker"
-            )
-        total = self.config.total_frames
-        if total != -1 and frames > total:
-            raise ConfigError(f"state has {frames} frames, more than total_frames={total}")
-        run = self._run
-        run.frames, run.batches = frames, batches
-        run.collected = collected
-        run.start_counters = counters
-        run.seed, run.static_seed = state.get("next_seed"), state.get("static_seed", False)
+        _resume.load_state_dict(self._run, state)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, replay_buffer: Any = None) -> None:
@@ -487,7 +399,7 @@ class Collector(AsyncResource):
         waiting call loses no frame: the batch goes to the next call.
         """
         run = self._run
-        if run.state is State.CREATED:
+        if run.state is CollectorState.CREATED:
             await run.start()
         if run.sink is not None:
             raise AiocollectError(
@@ -516,125 +428,6 @@ class Collector(AsyncResource):
         except EndOfCollection:
             raise StopAsyncIteration from None
 
-    # -- blocking wrapper -------------------------------------------------------------------------
-    def _blocking(self, what: str) -> Any:
-        """The portal, refusing to block a running event loop."""
-        if loop_token() is not None:
-            raise AiocollectError(
-                f"{what} blocks, and it was called inside a running event loop (which it would freeze): "
-                f"in async code use `async with Collector(...)` and `async for batch in collector` "
-                f"(or `await collector.collect()`)"
-            )
-        return self._portal.get()
-
-    def __enter__(self) -> "Collector":
-        portal = self._blocking("`with Collector(...)`")
-        self._in_with = True
-        try:
-            portal.call(self.start)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._in_with = False
-        try:
-            self.close()
-        except Exception:
-            if exc is None:
-                raise
-
-    def __iter__(self) -> Iterator["TensorDict"]:
-        """Plain ``for batch in collector`` (blocking). Runs the collector in an event loop in a
-        helper thread (an anyio blocking portal); :meth:`close` ends both. Without ``with``, the
-        collector closes itself at the end of the collection, and at interpreter exit if the
-        loop was left early."""
-        portal = self._blocking("`for batch in collector`")
-        while True:
-            try:
-                batch = portal.call(self.collect)
-            except EndOfCollection:
-                if not self._in_with:
-                    self.close()
-                return
-            yield batch
-
-    def close(self) -> None:
-        """Blocking :meth:`aclose`, for code that used the blocking wrapper."""
-        portal = self._portal.portal
-        if portal is None:
-            if self._run.state in (State.CREATED, State.CLOSED):
-                self._run.state = State.CLOSED
-                return
-            raise AiocollectError("this collector runs in an event loop: use `await collector.aclose()`")
-        try:
-            portal.call(self.aclose)
-        finally:
-            self._portal.close()
-
-
-class _Portal:
-    """The blocking wrapper's event loop, in a helper thread (an anyio blocking portal)."""
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.portal: Any = None
-        self._cm: Any = None
-
-    def get(self) -> Any:
-        if self.portal is None:
-            from anyio.from_thread import start_blocking_portal
-
-            options = {}
-            try:
-                import uvloop  # noqa: F401
-
-                options = {"use_uvloop": True}
-            except ImportError:  # pragma: no cover
-                pass
-            self._cm = start_blocking_portal("asyncio", options)
-            self.portal = self._cm.__enter__()
-            _close_portals_at_exit(self)
-        return self.portal
-
-    def close(self) -> None:
-        cm, self._cm, self.portal = self._cm, None, None
-        _open_portals.discard(self)
-        if cm is not None:
-            cm.__exit__(None, None, None)
-
-
-_open_portals: "weakref.WeakSet[_Portal]" = weakref.WeakSet()
-_exit_hook_installed = False
-
-
-def _close_portals_at_exit(portal: _Portal) -> None:
-    """A script that leaves ``for batch in collector`` (or never closes it) must still exit:
-    before the interpreter joins its threads, close what runs in portal threads."""
-    global _exit_hook_installed
-    _open_portals.add(portal)
-    if not _exit_hook_installed:
-        _exit_hook_installed = True
-        register = getattr(threading, "_register_atexit", None)  # runs before threads are joined
-        if register is not None:
-            register(_close_open_portals)
-        else:  # pragma: no cover - very old Python
-            import atexit
-
-            atexit.register(_close_open_portals)
-
-
-def _close_open_portals() -> None:
-    for portal in list(_open_portals):
-        try:
-            if portal.portal is not None:
-                portal.portal.call(portal.run.aclose)
-        except BaseException:  # noqa: BLE001 - exiting: nothing to report it to
-            pass
-        finally:
-            portal.close()
-
 
 def _describe(run: Run) -> str:
     c = run.config
@@ -644,7 +437,7 @@ def _describe(run: Run) -> str:
     )
 
 
-def _finalize(run: Run, portal: _Portal) -> None:  # (a finalizer: must not refer to the collector)
+def _finalize(run: Run, portal: Portal) -> None:  # (a finalizer: must not refer to the collector)
     """The collector was garbage-collected (or the interpreter exits): stop what it left running."""
     active = run.task is not None and not run.done.is_set()
     name = _describe(run)
@@ -657,11 +450,7 @@ def _finalize(run: Run, portal: _Portal) -> None:  # (a finalizer: must not refe
     elif active:
         run.abandon()
     if active:
-        warnings.warn(
-            f"{name} was not closed: use `async with Collector(...)` or `await collector.aclose()`",
-            ResourceWarning,
-            stacklevel=2,
-        )
+        warn_unclosed(name, "Collector")
 
 
-__all__ = ["Collector", "CollectorStats", "State"]
+__all__ = ["Collector", "CollectorState", "CollectorStats", "State"]

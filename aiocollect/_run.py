@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # tensordict is imported while the first collector starts (se
     from tensordict import TensorDict
 
 
-class State(enum.Enum):
+class CollectorState(enum.Enum):
     """Lifecycle of a :class:`~aiocollect.Collector`."""
 
     CREATED = "created"
@@ -70,6 +70,9 @@ class State(enum.Enum):
     still be received."""
     CLOSED = "closed"
     """Closed: every process and shared-memory segment is released. Cannot be reopened."""
+
+
+State = CollectorState  # the name it had first, still exported
 
 
 def loop_token() -> Any:
@@ -666,4 +669,4 @@ class Run:
         self.wake()
 
 
-__all__ = ["Run", "State", "loop_token"]
+__all__ = ["CollectorState", "Run", "State", "loop_token"]

@@ -362,7 +362,7 @@ async def test_plain_callable_on_tensordicts_is_a_policy():
 def test_public_names():
     assert set(aiocollect.__all__) == {
         "AiocollectError", "BrokenWorkerError", "Collector", "CollectorClosedError", "CollectorConfig",
-        "ConfigError", "EndOfCollection", "SpecError", "State", "WorkerError", "WorkerTimeoutError", "__version__",
+        "ConfigError", "EndOfCollection", "SpecError", "State", "CollectorState", "WorkerError", "WorkerTimeoutError", "__version__",
         "shutdown_launcher", "split_trajectories", "CollectorStats", "Subscription",
         "SubscriptionOverflowError", "events", "testing", "ProfileConfig", "ReplayBuffer", "Sampler",
         "UniformSampler", "StalenessAwareSampler", "SliceSampler", "SamplingError", "Evaluator",

@@ -1,0 +1,150 @@
+"""The blocking wrapper of :class:`~aiocollect.Collector` for synchronous code (``with
+Collector(...) as c: for batch in c``): the same async code, run in an event loop in a helper
+thread (an anyio blocking portal), never a second implementation. Portals still open when the
+interpreter exits are closed before it joins its threads, so that a script that leaves ``for
+batch in collector`` early still exits.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+
+from ._errors import AiocollectError, EndOfCollection
+from ._run import CollectorState, Run, loop_token
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tensordict import TensorDict
+
+C = TypeVar("C", bound="BlockingMixin")
+
+
+class BlockingMixin:
+    """``with``, ``for`` and :meth:`close` for a collector (which provides ``_run``, ``_portal``
+    (a :class:`Portal`), ``_in_with``, ``start``, ``collect`` and ``aclose``)."""
+
+    _run: Run
+    _portal: "Portal"
+    _in_with: bool
+
+    def _blocking(self, what: str) -> Any:
+        """The portal, refusing to block a running event loop."""
+        if loop_token() is not None:
+            raise AiocollectError(
+                f"{what} blocks, and it was called inside a running event loop (which it would freeze): "
+                f"in async code use `async with Collector(...)` and `async for batch in collector` "
+                f"(or `await collector.collect()`)"
+            )
+        return self._portal.get()
+
+    def __enter__(self: C) -> C:
+        portal = self._blocking("`with Collector(...)`")
+        self._in_with = True
+        try:
+            portal.call(self.start)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._in_with = False
+        try:
+            self.close()
+        except Exception:
+            if exc is None:
+                raise
+
+    def __iter__(self) -> Iterator["TensorDict"]:
+        """Plain ``for batch in collector`` (blocking). Runs the collector in an event loop in a
+        helper thread (an anyio blocking portal); :meth:`close` ends both. Without ``with``, the
+        collector closes itself at the end of the collection, and at interpreter exit if the
+        loop was left early."""
+        portal = self._blocking("`for batch in collector`")
+        while True:
+            try:
+                batch = portal.call(self.collect)
+            except EndOfCollection:
+                if not self._in_with:
+                    self.close()
+                return
+            yield batch
+
+    def close(self) -> None:
+        """Blocking :meth:`aclose`, for code that used the blocking wrapper."""
+        portal = self._portal.portal
+        if portal is None:
+            if self._run.state in (CollectorState.CREATED, CollectorState.CLOSED):
+                self._run.state = CollectorState.CLOSED
+                return
+            raise AiocollectError("this collector runs in an event loop: use `await collector.aclose()`")
+        try:
+            portal.call(self.aclose)
+        finally:
+            self._portal.close()
+
+
+class Portal:
+    """The blocking wrapper's event loop, in a helper thread (an anyio blocking portal)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.portal: Any = None
+        self._cm: Any = None
+
+    def get(self) -> Any:
+        if self.portal is None:
+            from anyio.from_thread import start_blocking_portal
+
+            options = {}
+            try:
+                import uvloop  # noqa: F401
+
+                options = {"use_uvloop": True}
+            except ImportError:  # pragma: no cover
+                pass
+            self._cm = start_blocking_portal("asyncio", options)
+            self.portal = self._cm.__enter__()
+            _close_portals_at_exit(self)
+        return self.portal
+
+    def close(self) -> None:
+        cm, self._cm, self.portal = self._cm, None, None
+        _open_portals.discard(self)
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+
+_open_portals: "weakref.WeakSet[Portal]" = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _close_portals_at_exit(portal: Portal) -> None:
+    """A script that leaves ``for batch in collector`` (or never closes it) must still exit:
+    before the interpreter joins its threads, close what runs in portal threads."""
+    global _exit_hook_installed
+    _open_portals.add(portal)
+    if not _exit_hook_installed:
+        _exit_hook_installed = True
+        register = getattr(threading, "_register_atexit", None)  # runs before threads are joined
+        if register is not None:
+            register(_close_open_portals)
+        else:  # pragma: no cover - very old Python
+            import atexit
+
+            atexit.register(_close_open_portals)
+
+
+def _close_open_portals() -> None:
+    for portal in list(_open_portals):
+        try:
+            if portal.portal is not None:
+                portal.portal.call(portal.run.aclose)
+        except BaseException:  # noqa: BLE001 - exiting: nothing to report it to
+            pass
+        finally:
+            portal.close()
+
+
+__all__ = ["BlockingMixin", "Portal"]
