@@ -370,3 +370,4 @@ def test_public_names():
     }
     for name in aiocollect.__all__:
         assert getattr(aiocollect, name) is not None
+    assert aiocollect.State is aiocollect.CollectorState, "State: the name CollectorState had first"

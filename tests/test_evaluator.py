@@ -760,3 +760,40 @@ def test_example_runs_and_prints_evaluation_results():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("eval")]
     assert [line.split(":")[0] for line in lines] == [f"eval  batch    {b}" for b in (2, 4, 6)], proc.stdout
     assert "return_mean" in proc.stdout and "final evaluation (batch 6)" in proc.stdout
+
+
+# ---- the layout of the code -------------------------------------------------------------------------
+
+
+def test_wire_messages_are_frozen_and_survive_the_socket():
+    """The evaluator's messages are frozen dataclasses that round-trip through the wire's pickle;
+    only the fatal error is a tuple (the shape every child process sends)."""
+    import dataclasses
+    import pickle
+
+    from aiocollect import _eval_wire as w, _wire
+
+    messages = [
+        w.Configure(b"cfg"), w.Ready(), w.Evaluate(1, ("state_dict", {"w": 1.0}), 3), w.Abort(1),
+        w.Result(1, [1.0, 2.0], [1, 2]), w.Aborted(1), w.Failed(1, b"exc", "tb"),
+    ]
+    for msg in messages:
+        assert list(_wire.FrameReader().feed(_wire.encode(msg))) == [msg]
+        assert pickle.loads(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)) == msg
+        for field in dataclasses.fields(msg):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(msg, field.name, None)
+        assert not w.is_fatal(msg)
+    assert w.is_fatal(("error", b"exc", "tb"))
+
+
+def test_the_evaluator_imports_no_rollout_code():
+    """Neither the evaluator (parent side) nor its worker imports the collector's rollout code."""
+    code = (
+        "import sys, aiocollect._evaluator, aiocollect._eval_worker\n"
+        "print(sorted(m for m in ('aiocollect._rollout', 'aiocollect._workers', 'aiocollect._worker', "
+        "'aiocollect._vector', 'aiocollect._run') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -3,7 +3,7 @@ of), with the data checked: the training loop with weight updates for every deli
 prefetch and backend; updates before the first batch, after a break, from another task, at once
 from two tasks; a collector forgotten in a notebook cell; a collector used from a second event
 loop; the blocking wrapper inside an event loop; plain scripts that never close their collector;
-and the same programs on trio."""
+and the same programs on trio; an evaluator used as a training script uses it."""
 
 from __future__ import annotations
 
@@ -292,6 +292,42 @@ def test_collector_refuses_other_platforms_at_construction(monkeypatch):
         Collector("CartPole-v1", frames_per_batch=64, num_workers=1)
     with pytest.raises(ConfigError, match="needs Linux"):
         Evaluator("CartPole-v1")
+
+
+# ---- the evaluator -----------------------------------------------------------------------------
+
+async def test_evaluator_program_evaluates_triggers_polls_and_closes_leaving_no_process():
+    """A real CartPole evaluator in its own worker process: two evaluations of the same weights
+    give the same episodes (seeded), triggered ones arrive through wait() and poll(), every
+    result is a dict of Python numbers tagged with its step, and closing leaves no process."""
+    from aiocollect import Evaluator, EvaluatorState
+    from aiocollect.events import EvaluationCompleted
+
+    policy = Greedy()
+    keys = {"return_mean", "return_std", "return_min", "return_max", "episode_length_mean", "step",
+            "num_trajectories", "seconds"}
+    async with Evaluator("CartPole-v1", policy, num_trajectories=3, num_envs=2, seed=0) as ev:
+        first = await ev.evaluate(policy, step=0)
+        again = await ev.evaluate(policy, step=1)
+        pid = ev.worker_pid
+        train(policy)
+        assert ev.trigger(policy, step=2)
+        waited = await ev.wait()
+        assert ev.trigger(policy, step=3) and ev.pending == 1
+        await ev.wait_for(EvaluationCompleted, lambda e: e.step == 3)
+        polled = ev.poll()
+        assert ev.poll() is None and ev.pending == 0
+    results = [first, again, waited, polled]
+    assert [r["step"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert set(r) == keys and r["num_trajectories"] == 3
+        assert all(type(v) in (int, float) for k, v in r.items() if k != "step")
+        assert 1 <= r["return_min"] <= r["return_mean"] <= r["return_max"] <= 500
+        assert r["return_mean"] == r["episode_length_mean"], "CartPole: a reward of 1 per step"
+    assert {k: v for k, v in first.items() if k not in ("step", "seconds")} == \
+        {k: v for k, v in again.items() if k not in ("step", "seconds")}
+    assert ev.state is EvaluatorState.CLOSED and ev.completed == 4 and ev.worker_pid is None
+    assert pid is not None and not alive(pid)
 
 
 # ---- trio ---------------------------------------------------------------------------------------
