@@ -206,10 +206,10 @@ class Producer:
             timing = run.stats.batch(infos, wait=t_assemble - t_wait, delivery=time.perf_counter() - t_assemble)
             if run.bus.listens_to(ev.EpisodeEnded):
                 for worker, info in infos:
-                    for env, traj_id, ret, length, terminated in info["episodes"]:
+                    for env, traj_id, ret, length, terminated in info.episodes:
                         await run.bus.emit(ev.EpisodeEnded(
                             worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
-                            terminated=terminated, policy_version=info.get("version", 0),
+                            terminated=terminated, policy_version=info.version,
                         ))
             for n, batch in enumerate(outputs):
                 last = n == len(outputs) - 1  # (a lease goes with the last delivery of a round)
@@ -241,7 +241,7 @@ class Producer:
         frames = c.frames_per_batch if c.trajs_per_batch is None else frames_in(batch)
         await run.emit(
             ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
-            policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
+            policy_versions=tuple(info.version for _, info in infos), timing=timing,
         )
         await run.send.send((batch, counted, frames, lease))
 

@@ -50,6 +50,7 @@ from ._systask import spawn_system_task
 from ._vector import learn_sub_envs
 from ._weightsync import WeightSync
 from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+from ._wire import BatchInfo
 
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see Run._run)
@@ -345,14 +346,14 @@ class Run:
             self.check_loop()
         raise EndOfCollection(f"all {self.config.total_frames} frames (total_frames) have been collected")
 
-    def delivered(self, parts: list[tuple[int, dict]], frames: int) -> None:
+    def delivered(self, parts: "list[tuple[int, BatchInfo]]", frames: int) -> None:
         """Account for a batch the consumer received (counters, state_dict, progress)."""
         if self.counters is None:
             self.counters = list(self.start_counters or [0] * self.total_rows)
         rows = self.rows_per_worker
         for index, info in parts:
-            self.counters[index * rows : (index + 1) * rows] = info["traj_counters"]
-            self.episodes += len(info["episodes"])
+            self.counters[index * rows : (index + 1) * rows] = info.traj_counters
+            self.episodes += len(info.episodes)
         self.frames += frames
         self.batches += 1
         if self.bar is not None:

@@ -50,8 +50,8 @@ from ._heartbeat import POLICY, RESET, STEP
 from ._limits import check_seed
 from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves, unflattener
 from ._registry import install as install_registry
+from ._wire import NO_EPISODES, Episodes
 from ._rollout import (
-    EpisodeEnd,
     Rollout,
     RolloutConfig,
     close_envs,
@@ -645,18 +645,15 @@ class VectorRollout(Rollout):
         self.batches += 1
         self._ends = ends
 
-    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
-        """The episodes that ended in the last batch, in the order they ended: (env, trajectory id,
-        return, length, terminated), made from the arrays kept per step (a 256-sub-env CartPole
-        ends about a thousand episodes per batch: no object per episode before this)."""
-        if not self._ends:
-            return []
-        rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
-        return list(zip(self.env_ids[rows].tolist(), ids.tolist(), rets.tolist(), lens.tolist(), terms.tolist()))
-
     @property
-    def episodes(self) -> list[EpisodeEnd]:  # type: ignore[override]
-        return [EpisodeEnd(*e) for e in self._episode_tuples()]
+    def episodes(self) -> Episodes:  # type: ignore[override]
+        """The episodes that ended in the last batch, in the order they ended, made from the
+        arrays kept per step (a 256-sub-env CartPole ends about a thousand episodes per batch: no
+        object per episode)."""
+        if not self._ends:
+            return NO_EPISODES
+        rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
+        return Episodes(self.env_ids[rows].tolist(), ids.tolist(), rets.tolist(), lens.tolist(), terms.tolist())
 
     def _after_ends(
         self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
