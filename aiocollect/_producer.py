@@ -137,7 +137,7 @@ class Producer:
         while True:
             if run.pending_error is None:
                 await self._pump(remaining)
-            await run.announce_traces()
+            await run.profiling.announce_traces()
             self.wakeup = anyio.Event()
             if cond():
                 return
@@ -168,9 +168,10 @@ class Producer:
             index = first_index + self.produced
             if c.update_at_each_batch and run.sync.can_pull and not sync:
                 await run.sync.publish({"policy": None}, list(range(c.workers)))
-            recorder = run.recorder
+            profiling = run.profiling
+            recorder = profiling.recorder
             if recorder is not None:
-                recorder.before(self.rounds - run.recorder_from)
+                recorder.before(self.rounds - profiling.recorder_from)
             await run.emit(ev.BeforeRollout, index=index)
             t_wait = time.perf_counter()
             await self._wait(lambda: run.requested + c.prefetch > self.produced, remaining)
@@ -215,10 +216,10 @@ class Producer:
                 last = n == len(outputs) - 1  # (a lease goes with the last delivery of a round)
                 await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing,
                                     lease if last else None)
-            if recorder is not None and (path := recorder.after(self.rounds - 1 - run.recorder_from)) is not None:
-                run.recorder = None
-                await run.trace_ready(None, path)
-            await run.announce_traces()
+            if recorder is not None and (path := recorder.after(self.rounds - 1 - profiling.recorder_from)) is not None:
+                profiling.recorder = None
+                await profiling.trace_ready(None, path)
+            await run.profiling.announce_traces()
         run.send.close()  # consumers drain what is buffered, then get EndOfCollection
         if run.sink is not None:
             await self.drained.wait()  # every batch is in the replay buffer
