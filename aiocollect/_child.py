@@ -27,10 +27,7 @@ started_pids: list[int] = []
 
 
 def add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10 (the exceptiongroup backport prints __notes__)
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    exc.add_note(note)
 
 
 def worker_error(

@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from ._checks import ActionBounds, ActionGuard, check_reward, check_value, first_nonfinite, short
-from ._errors import SpecError
+from ._errors import ConfigTypeError, SpecError
 from ._heartbeat import POLICY, RESET, STEP
 from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves
 from ._policy import EnvActions, PolicySpec, RandomRunner, build_runner
@@ -60,7 +60,7 @@ def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
     if env is None:
         env = create_env(env_fn, env_kwargs)
     if not isinstance(env, gym.Env):
-        raise TypeError(
+        raise ConfigTypeError(
             f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
             f"(a Collector also takes a gymnasium.vector.VectorEnv, if create_env_fn returns one every time)"
         )

@@ -464,7 +464,7 @@ class Stage:
 
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of an error, unwrapping exception groups (anyio's task groups raise those)."""
-    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())  # exception groups (3.10: the backport)
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())  # exception groups
     while len(inner) == 1:
         exc = inner[0]
         inner = getattr(exc, "exceptions", ())
