@@ -30,7 +30,7 @@ _EXPORTS = {
     "split_trajectories": "._split",
     "shutdown_launcher": "._launcher",
     "CollectorStats": "._stats",
-    "SubscriptionOverflowError": "._bus",
+    "SubscriptionOverflowError": "._errors",
     "Subscription": "._bus",
     "ProfileConfig": "._profiling",
     "ReplayBuffer": "._replay",
@@ -38,7 +38,7 @@ _EXPORTS = {
     "UniformSampler": "._samplers",
     "StalenessAwareSampler": "._samplers",
     "SliceSampler": "._samplers",
-    "SamplingError": "._samplers",
+    "SamplingError": "._errors",
     "Evaluator": "._evaluator",
     "EvaluatorConfig": "._eval_config",
     "EvaluatorState": "._eval_config",
@@ -51,7 +51,6 @@ __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
 if TYPE_CHECKING:  # pragma: no cover
     from ._collector import Collector as Collector
     from ._bus import Subscription as Subscription
-    from ._bus import SubscriptionOverflowError as SubscriptionOverflowError
     from ._run import CollectorState as CollectorState
     from ._run import State as State
     from ._stats import CollectorStats as CollectorStats
@@ -61,7 +60,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import CollectorClosedError as CollectorClosedError
     from ._errors import ConfigError as ConfigError
     from ._errors import EndOfCollection as EndOfCollection
+    from ._errors import SamplingError as SamplingError
     from ._errors import SpecError as SpecError
+    from ._errors import SubscriptionOverflowError as SubscriptionOverflowError
     from ._errors import WorkerError as WorkerError
     from ._errors import WorkerTimeoutError as WorkerTimeoutError
     from ._launcher import shutdown_launcher as shutdown_launcher
@@ -73,7 +74,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._profiling import ProfileConfig as ProfileConfig
     from ._replay import ReplayBuffer as ReplayBuffer
     from ._samplers import Sampler as Sampler
-    from ._samplers import SamplingError as SamplingError
     from ._samplers import SliceSampler as SliceSampler
     from ._samplers import StalenessAwareSampler as StalenessAwareSampler
     from ._samplers import UniformSampler as UniformSampler

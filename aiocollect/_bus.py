@@ -10,15 +10,12 @@ from typing import Any, Callable, Generic, Literal, TypeVar, overload
 
 import anyio
 
-from ._errors import AiocollectError, ConfigError
+from ._errors import ConfigError, ConfigTypeError
+from ._errors import SubscriptionOverflowError as SubscriptionOverflowError  # re-exported: its first home
 from .events import Event
 
 E = TypeVar("E", bound=Event)
 Overflow = Literal["drop_oldest", "drop_newest", "error"]
-
-
-class SubscriptionOverflowError(AiocollectError):
-    """Raised by a subscription with ``overflow="error"`` when it fell behind and lost events."""
 
 
 class Handle:
@@ -159,7 +156,7 @@ class EventBus:
 
             return decorator
         if not callable(handler):
-            raise TypeError(f"handler {handler!r} is not callable")
+            raise ConfigTypeError(f"handler={handler!r} is not callable; pass a function or coroutine function taking the event")
         entry = (event_type, handler)
         self._handlers.append(entry)
         return Handle(self, entry)
@@ -216,4 +213,6 @@ class EventBus:
 
 def _check_type(event_type: Any) -> None:
     if not (isinstance(event_type, type) and issubclass(event_type, Event)):
-        raise TypeError(f"{event_type!r} is not an aiocollect.events.Event subclass")
+        raise ConfigTypeError(
+            f"{event_type!r} is not an aiocollect.events.Event subclass; pass an event class, such as aiocollect.events.Event"
+        )

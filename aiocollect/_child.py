@@ -27,10 +27,7 @@ started_pids: list[int] = []
 
 
 def add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10 (the exceptiongroup backport prints __notes__)
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    exc.add_note(note)
 
 
 def worker_error(
@@ -95,8 +92,8 @@ class ChildProcess:
 
     async def handshake(self) -> None:
         """Wait for the child's hello and take its pid."""
-        hello = await self.expect("hello")
-        self.set_pid(hello[1])
+        hello = await self.expect(_wire.Hello)
+        self.set_pid(hello.pid if isinstance(hello, _wire.Hello) else hello[1])
 
     @property
     def name(self) -> str:
@@ -179,21 +176,28 @@ class ChildProcess:
         )
 
     def error_from(self, msg: Any) -> BaseException:
-        """The exception for an ``("error"|"failed", ..., packed exception, traceback)`` message."""
+        """The exception for an :class:`~aiocollect._wire.Error` message (or a message whose last
+        two fields are a packed exception and a traceback)."""
         import cloudpickle
 
+        packed, tb = (msg.exception, msg.traceback) if isinstance(msg, _wire.Error) else (msg[-2], msg[-1])
         try:
-            exc = cloudpickle.loads(msg[-2])
+            exc = cloudpickle.loads(packed)
         except Exception:  # the exception's class could not be loaded here
             exc = None
-        return worker_error(self.index, self.pid, exc, msg[-1], who=self.name)
+        return worker_error(self.index, self.pid, exc, tb, who=self.name)
 
-    async def expect(self, op: str) -> Any:
+    async def expect(self, kind: type | str) -> Any:
+        """The next message, which must be a ``kind`` (a message type; or the first field of a
+        tuple message); an :class:`~aiocollect._wire.Error` raises the child's exception."""
         msg = await self.recv()
-        if msg[0] == "error":
+        if isinstance(msg, _wire.Error) or (isinstance(msg, tuple) and msg and msg[0] == "error"):
             raise self.error_from(msg)
-        if msg[0] != op:  # pragma: no cover - protocol error
-            raise RuntimeError(f"{self.name}: expected {op!r}, got {msg[0]!r}")
+        if isinstance(kind, str) and isinstance(msg, _wire.Hello) and kind == "hello":
+            return ("hello", msg.pid)
+        ok = isinstance(msg, kind) if isinstance(kind, type) else (isinstance(msg, tuple) and msg[0] == kind)
+        if not ok and not (kind is _wire.Hello and isinstance(msg, tuple) and msg[0] == "hello"):
+            raise RuntimeError(f"{self.name}: expected {getattr(kind, '__name__', kind)!r}, got {msg!r}")
         return msg
 
     # -- the process ------------------------------------------------------------------------------

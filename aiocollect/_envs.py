@@ -10,7 +10,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from ._errors import SpecError
+from ._errors import ConfigTypeError, SpecError
 from ._registry import install as install_registry
 
 
@@ -26,7 +26,7 @@ def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
     if env is None:
         env = create_env(env_fn, env_kwargs)
     if not isinstance(env, gym.Env):
-        raise TypeError(
+        raise ConfigTypeError(
             f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
             f"(a Collector also takes a gymnasium.vector.VectorEnv, if create_env_fn returns one every time)"
         )

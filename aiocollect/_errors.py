@@ -1,5 +1,25 @@
 """The library's errors: a small, flat hierarchy rooted in :class:`AiocollectError`.
 
+Every exception aiocollect raises for its own reasons is defined here and derives from
+:class:`AiocollectError` (modules that raise one may re-export it: ``aiocollect._bus``'s
+``SubscriptionOverflowError`` is this module's). What is not an :class:`AiocollectError`:
+
+- exceptions of the user's code (an env, the policy, a handler), which propagate as they are or,
+  from a worker, as the ``__cause__`` of a :class:`WorkerError`;
+- cancellation, and the end-of-stream signals of anyio's protocols (``anyio.EndOfStream``,
+  ``anyio.WouldBlock``), which keep their meaning;
+- ``aiocollect.testing``'s ``InjectedFailure``, which stands for an exception of the user's code.
+
+Where a standard exception type was raised first, the class also derives from it, so that
+``except ValueError`` / ``except TypeError`` / ``except KeyError`` keep working:
+:class:`ConfigError` (a bad argument) is a ``ValueError``, :class:`ConfigTypeError` (an argument
+of the wrong type) a ``ConfigError`` and a ``TypeError``, :class:`WeightsMismatchError` a
+``ConfigError`` and a ``KeyError``. Catch :class:`ConfigError` for any bad argument.
+
+Messages start with a lowercase letter (or the name of what raised them, as
+``ReplayBuffer.extend: ...``), end without a full stop, and name the argument, the value it got
+and the fix, after a semicolon.
+
 Imported by worker processes: standard library only.
 """
 
@@ -8,12 +28,16 @@ from __future__ import annotations
 __all__ = [
     "AiocollectError",
     "ConfigError",
+    "ConfigTypeError",
+    "WeightsMismatchError",
     "SpecError",
     "WorkerError",
     "BrokenWorkerError",
     "WorkerTimeoutError",
     "CollectorClosedError",
     "EndOfCollection",
+    "SubscriptionOverflowError",
+    "SamplingError",
 ]
 
 
@@ -22,11 +46,31 @@ class AiocollectError(Exception):
 
 
 class ConfigError(AiocollectError, ValueError):
-    """Raised by a constructor when an argument, or a combination of arguments, is invalid.
+    """Raised when an argument, or a combination of arguments, is invalid: by a constructor
+    (before any process is started), or by a method called with a bad argument
+    (``update_weights``, ``load_state_dict``, ``split_trajectories`` ...).
 
-    The message names the argument, the value it got and how to fix it. Raised before any
-    process is started.
+    The message names the argument, the value it got and how to fix it.
     """
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A :class:`ConfigError` for an argument of the wrong type (a handler that is not callable,
+    a batch that is not a TensorDict, an env factory that returns no ``gymnasium.Env`` ...).
+
+    Also a ``TypeError``, which these errors were before they were config errors.
+    """
+
+
+class WeightsMismatchError(ConfigError, KeyError):
+    """Raised by ``update_weights`` when the weights given lack tensors of the model they are
+    for; the message lists the missing names and what the model has.
+
+    Also a ``KeyError``, as it was first. Printed as its message (a ``KeyError`` would quote it).
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class SpecError(AiocollectError, ValueError):
@@ -93,6 +137,24 @@ class EndOfCollection(AiocollectError):
     """Raised by :meth:`Collector.collect` once ``total_frames`` frames have been delivered.
 
     ``async for`` ends quietly instead."""
+
+
+class SubscriptionOverflowError(AiocollectError):
+    """Raised by a subscription with ``overflow="error"`` when it fell behind and lost events.
+
+    Raised once, by the receive after the loss; the subscription goes on with the events it
+    still holds."""
+
+
+class SamplingError(AiocollectError, RuntimeError):
+    """Raised by :meth:`ReplayBuffer.sample` when no sample of the requested kind exists.
+
+    For example: the buffer is empty, no stored frame passes a
+    :class:`StalenessAwareSampler`'s ``max_staleness`` gate, no stored run is long enough for a
+    :class:`SliceSampler`, or a sample without replacement asks for more frames than are stored.
+    The message says what was asked and what the buffer holds. Nothing is consumed: sampling
+    again after more data was written may succeed.
+    """
 
 
 # -- evaluator

@@ -17,7 +17,7 @@ import anyio
 from . import _heartbeat, _shm
 from ._child import ChildProcess, worker_error
 from ._errors import BrokenWorkerError, WorkerError
-from ._eval_wire import Aborted, Answer, Configure, Evaluate, Abort, Failed, Ready, Result, is_fatal
+from ._eval_wire import Abort, Aborted, Answer, Configure, Error, Evaluate, Failed, Ready, Result, is_fatal
 from ._launcher import get_launcher
 
 ENTRY = "aiocollect._eval_worker:serve"
@@ -60,11 +60,7 @@ class EvalProcess(ChildProcess):
             fds = (proc.watch(),) if watch else ()
             await proc.handshake()
             await proc.send(Configure(worker_config), fds)
-            msg = await proc.recv()
-            if is_fatal(msg):
-                raise proc.error_from(msg)
-            if not isinstance(msg, Ready):  # pragma: no cover - protocol error
-                raise RuntimeError(f"{proc.name}: expected Ready, got {msg!r:.100}")
+            await proc.expect(Ready)  # (an Error raises the worker's exception)
             await tg.start(proc.read, on_death)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -130,7 +126,7 @@ class EvalProcess(ChildProcess):
     async def evaluate(self, req: Any, weights: Any, episodes: int) -> Answer:
         """Send evaluation ``req`` (its ``id``; ``req.sent`` is set once the whole request is in
         the socket, and an ``req.abandoned`` one is aborted at once); return its answer
-        (:class:`Result`, :class:`Failed`, :class:`Aborted` or the fatal error tuple). Raises the
+        (:class:`Result`, :class:`Failed`, :class:`Aborted` or the fatal :class:`Error`). Raises the
         worker's death (or hang) if it comes first."""
         req.sent = False
         await self.send(Evaluate(req.id, weights, episodes))
@@ -147,8 +143,8 @@ class EvalProcess(ChildProcess):
         """Ask the worker to stop evaluation ``rid`` (from synchronous code: a cancelled caller)."""
         self.send_nowait(Abort(rid))
 
-    def failure(self, msg: Failed | tuple) -> BaseException:
-        """The exception for a :class:`Failed` evaluation or the fatal error tuple."""
+    def failure(self, msg: Failed | Error) -> BaseException:
+        """The exception for a :class:`Failed` evaluation or the fatal :class:`Error`."""
         if not isinstance(msg, Failed):
             return self.error_from(msg)
         import cloudpickle

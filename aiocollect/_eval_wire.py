@@ -5,19 +5,20 @@ through :class:`aiocollect._eval_process.EvalProcess`) and its worker process
 They travel over one Unix socket as small pickled frames (:mod:`aiocollect._wire`); weights ride
 in the :class:`Evaluate` message as a CPU state dict. Protocol (``P`` parent, ``W`` worker)::
 
-    W: ("hello", pid)                    the handshake every child process starts with
+    W: Hello(pid)                        the handshake every child process starts with
     P: Configure(cloudpickle(EvalWorkerConfig))  + fd, with a step_timeout: the heartbeat's memfd
-    W: Ready()                           or ("error", packed exception, traceback): it then exits
+    W: Ready()                           or Error(exception, traceback): it then exits
     P: Evaluate(id, weights, episodes)   weights: None or (kind, {name: tensor})
-    W: Result(id, returns, lengths)      or Failed(id, packed exception, traceback)
+    W: Result(id, returns, lengths)      or Failed(id, exception, traceback)
     P: Abort(id)                         the caller gave up: W answers Aborted(id)
-    W: ("error", packed exception, traceback)   at any time: a fatal error, the worker exits
+    W: Error(exception, traceback)       at any time: a fatal error, the worker exits
     P: end-of-file (shutdown(SHUT_WR))   close the envs and exit
 
-The hello and the fatal error stay tuples: they are the shape every child process (rollout
-workers too) and the launcher send, read by :class:`aiocollect._child.ChildProcess`
-(:func:`is_fatal` recognises the error). An :class:`Abort` that arrives after its evaluation
-finished is ignored. A :class:`Failed` evaluation leaves the worker usable.
+:class:`~aiocollect._wire.Hello` and :class:`~aiocollect._wire.Error` are the rollout wire's
+(every child process, and the launcher for a failed fork, sends them; re-exported here):
+:class:`aiocollect._child.ChildProcess` reads them. An :class:`Abort` that arrives after its
+evaluation finished is ignored. A :class:`Failed` evaluation leaves the worker usable; an
+:class:`~aiocollect._wire.Error` ends it.
 
 Imported by worker processes: standard library only.
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any, Union
+
+from ._wire import Error, Hello
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._checks import ActionBounds
@@ -104,17 +107,17 @@ class Failed:
     """Evaluation ``id`` raised (the env, the policy, the weights): the worker stays usable."""
 
     id: int
-    exception: bytes  # aiocollect._peer.pack_exception(exc)
+    exception: bytes  # aiocollect._peer.pack_exception(exc), as in Error
     traceback: str
 
 
-#: An answer to an :class:`Evaluate` (or the fatal error tuple).
-Answer = Union[Result, Aborted, Failed, tuple]
+#: An answer to an :class:`Evaluate` (or the fatal error).
+Answer = Union[Result, Aborted, Failed, Error]
 
 
 def is_fatal(msg: Any) -> bool:
-    """``msg`` is the fatal ``("error", packed exception, traceback)`` of a worker that exits."""
-    return isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "error"
+    """``msg`` is the fatal :class:`~aiocollect._wire.Error` of a worker that exits."""
+    return isinstance(msg, Error)
 
 
 __all__ = [
@@ -122,9 +125,11 @@ __all__ = [
     "Aborted",
     "Answer",
     "Configure",
+    "Error",
     "EvalWorkerConfig",
     "Evaluate",
     "Failed",
+    "Hello",
     "Ready",
     "Result",
     "is_fatal",

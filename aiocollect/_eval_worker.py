@@ -35,7 +35,7 @@ from ._checks import ActionGuard, check_reward, check_value, short
 from . import _heartbeat
 from ._envs import add_envs, close_envs
 from ._errors import SpecError
-from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Ready, Result
+from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
 from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
 from ._peer import Peer, _Stop, pack_exception, serve_peer
 
@@ -265,7 +265,7 @@ class EvalWorker(Peer):
     def run(self) -> None:
         import cloudpickle
 
-        self.send(("hello", os.getpid()))
+        self.send(Hello(os.getpid()))
         msg, fds = self.recv()
         try:
             if not isinstance(msg, Configure):  # pragma: no cover - protocol error

@@ -92,7 +92,7 @@ def main() -> None:
                 try:
                     with socket.socket(fileno=os.dup(fds[0])) as wsock:
                         wsock.setblocking(True)
-                        _wire.send_blocking(wsock, ("error", pack_exception(exc), traceback.format_exc()))
+                        _wire.send_blocking(wsock, _wire.Error(pack_exception(exc), traceback.format_exc()))
                 except OSError:
                     pass
         finally:

@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from gymnasium import spaces
 
 from ._errors import SpecError
 
+#: a nested key of a batch, as a tuple (``("next", "reward")``; ``("action",)`` for a top-level one)
 Key = tuple[str, ...]
 
 #: keys the collector writes itself; a Dict observation space may not use them at its top level.
 RESERVED_KEYS = frozenset({"action", "done", "terminated", "truncated", "next", "collector", "reward"})
 _ALIGN = 64
+
+
+def as_key(key: str | Iterable[str]) -> Key:
+    """``key`` as a :data:`Key`: a str names a top-level entry (``"action"`` -> ``("action",)``),
+    any other iterable of strs (a tuple, as tensordict's nested keys are) becomes a tuple.
+    Nothing else is checked: callers that take a key from the user validate it themselves."""
+    return (key,) if isinstance(key, str) else tuple(key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,9 +86,9 @@ def serve_peer(fd: int, make: Callable[[socket.socket], P], close: Callable[[P],
     """Run a child on the socket ``fd``: ``make(sock).run()`` until the parent's side closes
     (``_Stop``), then ``close(peer)``; never returns.
 
-    Any other exception (at set-up or later) is reported to the parent as ``("error", packed
-    exception, traceback)`` (written to stderr if the parent is gone too) and the process exits
-    with status 1. :meth:`ChildProcess.expect <aiocollect._child.ChildProcess.expect>` and
+    Any other exception (at set-up or later) is reported to the parent as an
+    :class:`~aiocollect._wire.Error` (written to stderr if the parent is gone too) and the
+    process exits with status 1. :meth:`ChildProcess.expect <aiocollect._child.ChildProcess.expect>` and
     :meth:`ChildProcess.error_from <aiocollect._child.ChildProcess.error_from>` read it."""
     code = 0
     peer = None
@@ -104,7 +104,7 @@ def serve_peer(fd: int, make: Callable[[socket.socket], P], close: Callable[[P],
             code = 1
             tb = traceback.format_exc()
             try:
-                peer.send(("error", pack_exception(exc), tb))
+                peer.send(_wire.Error(pack_exception(exc), tb))
             except BaseException:  # noqa: BLE001
                 sys.stderr.write(tb)
     finally:

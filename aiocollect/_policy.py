@@ -16,8 +16,8 @@ import numpy as np
 from gymnasium import spaces
 
 from ._checks import dtype_problem
-from ._errors import SpecError
-from ._layout import Key, Leaf, flattener, unflattener
+from ._errors import ConfigTypeError, SpecError
+from ._layout import Key, Leaf, as_key, flattener, unflattener
 
 EXPLORATION_TYPES = ("random", "deterministic", "mode", "mean", "median")
 
@@ -47,10 +47,6 @@ class PolicySpec:
         return ("torch",)
 
 
-def _as_key(key: Any) -> Key:
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
 def _torch_nn() -> Any:
     return sys.modules.get("torch.nn")
 
@@ -72,7 +68,7 @@ def _simple_tensordict_module(obj: Any) -> bool:
 def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
     """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory)."""
     if _simple_tensordict_module(obj):
-        return ("module", obj.module, tuple(_as_key(k) for k in obj.in_keys), tuple(_as_key(k) for k in obj.out_keys))
+        return ("module", obj.module, tuple(as_key(k) for k in obj.in_keys), tuple(as_key(k) for k in obj.out_keys))
     td_nn = sys.modules.get("tensordict.nn")
     nn = _torch_nn()
     if td_nn is not None and isinstance(obj, td_nn.TensorDictModuleBase):
@@ -81,7 +77,10 @@ def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
         return ("module", obj, (("observation",),), (("action",),))
     if callable(obj):
         return ("tensordict", obj, (), ())
-    raise TypeError(f"policy must be callable, got {type(obj).__name__}")
+    raise ConfigTypeError(
+        f"policy must be callable, got {type(obj).__name__}; pass a function or module that maps a "
+        "TensorDict of observations to one with an 'action', or policy=None for random actions"
+    )
 
 
 def describe(policy: Any, policy_factory: Any, exploration_type: str) -> PolicySpec:
@@ -392,10 +391,10 @@ class TensorDictRunner(_TorchRunner):
         if not isinstance(out, TensorDictBase):
             raise SpecError(
                 f"the policy returned {type(out).__name__}; a TensorDict policy must return the TensorDict "
-                f"(or None after writing into it). A plain nn.Module taking the observation tensor is "
+                f"(or None after writing into it); a plain nn.Module taking the observation tensor is "
                 f"wrapped automatically"
             )
-        return {_as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
+        return {as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
 
 
 def build_runner(

@@ -137,7 +137,7 @@ class Producer:
         while True:
             if run.pending_error is None:
                 await self._pump(remaining)
-            await run.announce_traces()
+            await run.profiling.announce_traces()
             self.wakeup = anyio.Event()
             if cond():
                 return
@@ -168,9 +168,10 @@ class Producer:
             index = first_index + self.produced
             if c.update_at_each_batch and run.sync.can_pull and not sync:
                 await run.sync.publish({"policy": None}, list(range(c.workers)))
-            recorder = run.recorder
+            profiling = run.profiling
+            recorder = profiling.recorder
             if recorder is not None:
-                recorder.before(self.rounds - run.recorder_from)
+                recorder.before(self.rounds - profiling.recorder_from)
             await run.emit(ev.BeforeRollout, index=index)
             t_wait = time.perf_counter()
             await self._wait(lambda: run.requested + c.prefetch > self.produced, remaining)
@@ -206,19 +207,19 @@ class Producer:
             timing = run.stats.batch(infos, wait=t_assemble - t_wait, delivery=time.perf_counter() - t_assemble)
             if run.bus.listens_to(ev.EpisodeEnded):
                 for worker, info in infos:
-                    for env, traj_id, ret, length, terminated in info["episodes"]:
+                    for env, traj_id, ret, length, terminated in info.episodes:
                         await run.bus.emit(ev.EpisodeEnded(
                             worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
-                            terminated=terminated, policy_version=info.get("version", 0),
+                            terminated=terminated, policy_version=info.version,
                         ))
             for n, batch in enumerate(outputs):
                 last = n == len(outputs) - 1  # (a lease goes with the last delivery of a round)
                 await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing,
                                     lease if last else None)
-            if recorder is not None and (path := recorder.after(self.rounds - 1 - run.recorder_from)) is not None:
-                run.recorder = None
-                await run.trace_ready(None, path)
-            await run.announce_traces()
+            if recorder is not None and (path := recorder.after(self.rounds - 1 - profiling.recorder_from)) is not None:
+                profiling.recorder = None
+                await profiling.trace_ready(None, path)
+            await run.profiling.announce_traces()
         run.send.close()  # consumers drain what is buffered, then get EndOfCollection
         if run.sink is not None:
             await self.drained.wait()  # every batch is in the replay buffer
@@ -241,7 +242,7 @@ class Producer:
         frames = c.frames_per_batch if c.trajs_per_batch is None else frames_in(batch)
         await run.emit(
             ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
-            policy_versions=tuple(info.get("version", 0) for _, info in infos), timing=timing,
+            policy_versions=tuple(info.version for _, info in infos), timing=timing,
         )
         await run.send.send((batch, counted, frames, lease))
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import string
-from typing import Any, Callable
+import inspect
+from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._run import Run
 
 ACTIVITIES = ("cpu", "cuda")
 
@@ -158,3 +162,70 @@ class Recorder:
         if self.prof is not None:
             prof, self.prof = self.prof, None
             prof.__exit__(None, None, None)
+class RunProfiling:
+    """A run's profiling: which workers record their next rollouts, the collector process's own
+    recorder, and the traces they announce (:class:`~aiocollect.events.ProfileTraceReady`)."""
+
+    def __init__(self, run: "Run", config: ProfileConfig | None) -> None:
+        self.run = run
+        self.config = config
+        self.recorder: Recorder | None = None  # the collector process's, when profile_collector
+        self.recorder_from = 0  # the producer's round the recording started at
+
+    def check(self, config: ProfileConfig) -> None:
+        workers = self.run.config.workers
+        bad = [w for w in config.workers if w >= workers]
+        if bad:
+            raise ConfigError(
+                f"ProfileConfig.workers={list(config.workers)} names workers {bad}, but this collector has "
+                f"{workers} (indices 0..{workers - 1})"
+            )
+
+    def enable(self, config: ProfileConfig, workers_ready: bool) -> None:
+        self.check(config)
+        self.disable()
+        self.config = config
+        if workers_ready:
+            self.start()
+
+    def start(self) -> None:
+        """Profile the next rollouts of the chosen workers (and of the collector's process)."""
+        p, run = self.config, self.run
+        if p is None:
+            return
+        local = run.config.num_workers == 0
+        for w in run.workers:
+            if w.index in p.workers and not (local and p.profile_collector):
+                w.profile(p.for_worker(), p.path_for(w.index))
+        if p.profile_collector:
+            self.recorder = Recorder(p.for_worker(), p.path_for("collector"))
+            self.recorder_from = run.producer.rounds if run.producer is not None else 0
+
+    def abort_collector(self) -> None:
+        if self.recorder is not None:
+            self.recorder.abort()
+            self.recorder = None
+
+    def disable(self) -> None:
+        self.config = None
+        self.abort_collector()
+        for w in self.run.workers:
+            w.profile_off()
+
+    async def trace_ready(self, worker: int | None, path: str) -> None:
+        from .events import ProfileTraceReady
+
+        event = ProfileTraceReady(worker=worker, path=path)
+        p = self.config
+        if p is not None and p.on_trace_ready is not None:
+            result = p.on_trace_ready(event)
+            if inspect.isawaitable(result):
+                await result
+        await self.run.bus.emit(event)
+
+    async def announce_traces(self) -> None:
+        for w in self.run.workers:
+            while w.traces:
+                await self.trace_ready(w.index, w.traces.pop(0))
+
+

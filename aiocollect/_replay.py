@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor, is_non_tensor
 
-from ._errors import ConfigError, SpecError
+from ._errors import ConfigError, ConfigTypeError, SpecError
+from ._layout import Key, as_key
 from ._limits import check_fits_in_memory
-from ._samplers import Key, Sampler, SamplingError, StoredFrames, UniformSampler
+from ._samplers import Sampler, SamplingError, StoredFrames, UniformSampler
 
 __all__ = ["ReplayBuffer"]
 
@@ -17,13 +18,9 @@ _MASK: Key = ("collector", "mask")
 _INDEX: Key = ("index",)
 
 
-def _key(key: str | tuple[str, ...]) -> Key:
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
 def _check_batch_size(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: batch_size must be an int >= 1, got {value!r}.")
+        raise ConfigError(f"{where}: batch_size must be an int >= 1, got {value!r}")
     check_fits_in_memory(  # a sample's indices alone are int64
         8 * value, f"{where}: batch_size={value} (8 bytes per sampled frame for its index alone)",
         "sample fewer frames at a time",
@@ -37,21 +34,21 @@ def _check_device(device: Any) -> torch.device | None:
         return None
     fix = "pass None (the first batch's device), 'cpu', 'cuda', 'cuda:<index>' or a torch.device"
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise ConfigError(f"ReplayBuffer: device must be a torch.device or a str, got {device!r}; {fix}.")
+        raise ConfigError(f"ReplayBuffer: device must be a torch.device or a str, got {device!r}; {fix}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"ReplayBuffer: device={device!r} is not a device ({exc}); {fix}.") from None
+        raise ConfigError(f"ReplayBuffer: device={device!r} is not a device ({exc}); {fix}") from None
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (dev.index or 0) >= count:
             have = f"{count} CUDA device(s)" if count else "no CUDA device"
-            raise ConfigError(f"ReplayBuffer: device={device!r} is not available: this machine has {have}; {fix}.")
+            raise ConfigError(f"ReplayBuffer: device={device!r} is not available: this machine has {have}; {fix}")
     else:
         backend = getattr(torch, dev.type, None)  # torch.mps, torch.xpu ...
         available = getattr(backend, "is_available", None)
         if callable(available) and not available():
-            raise ConfigError(f"ReplayBuffer: device={device!r} is not available on this machine; {fix}.")
+            raise ConfigError(f"ReplayBuffer: device={device!r} is not available on this machine; {fix}")
     return dev
 
 
@@ -118,7 +115,7 @@ class ReplayBuffer:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(
                 f"ReplayBuffer: capacity must be an int >= 1 (the number of frames it holds), "
-                f"got {capacity!r}."
+                f"got {capacity!r}"
             )
         check_fits_in_memory(  # its bookkeeping alone takes 8 bytes per frame, on the CPU
             8 * capacity, f"ReplayBuffer: capacity={capacity} (8 bytes per frame before any data)",
@@ -129,7 +126,7 @@ class ReplayBuffer:
         elif not isinstance(sampler, Sampler):
             raise ConfigError(
                 f"ReplayBuffer: sampler must be a Sampler (UniformSampler, "
-                f"StalenessAwareSampler, SliceSampler ...), got {sampler!r}."
+                f"StalenessAwareSampler, SliceSampler ...), got {sampler!r}"
             )
         if batch_size is not None:
             _check_batch_size(batch_size, "ReplayBuffer")
@@ -138,7 +135,7 @@ class ReplayBuffer:
         ):
             raise ConfigError(
                 f"ReplayBuffer: generator must be a CPU torch.Generator (samplers draw on the "
-                f"CPU), got {generator!r}."
+                f"CPU), got {generator!r}"
             )
         self._capacity = capacity
         self._sampler = sampler
@@ -213,7 +210,7 @@ class ReplayBuffer:
             is the number of frames written, at most ``capacity``.
 
         Raises:
-            TypeError: ``data`` is not a TensorDict.
+            ConfigTypeError: (a ``TypeError``) ``data`` is not a TensorDict.
             SpecError: ``data`` does not fit the storage (an entry missing, extra, or of another
                 per-frame shape or dtype than in the first batch; the message names the entry),
                 has a batch shape other than ``[E, T]`` or ``[N]``, a mask that is not bool of
@@ -221,13 +218,14 @@ class ReplayBuffer:
                 (``"index"`` ...), or lacks an entry the sampler reads. Nothing is written then.
         """
         if not isinstance(data, TensorDictBase):
-            raise TypeError(
-                f"ReplayBuffer.extend: expected a TensorDict batch, got {type(data).__name__}."
+            raise ConfigTypeError(
+                f"ReplayBuffer.extend: expected a TensorDict batch, got {type(data).__name__}; pass "
+                "a batch the collector delivered, or a TensorDict of shape [envs, time] or [frames]"
             )
         if data.batch_dims not in (1, 2):
             raise SpecError(
                 f"ReplayBuffer.extend: expected a batch of shape [envs, time] or [frames], got "
-                f"batch_size {tuple(data.batch_size)}."
+                f"batch_size {tuple(data.batch_size)}"
             )
         batch_dims = data.batch_dims
         num = data.batch_size.numel()
@@ -283,19 +281,19 @@ class ReplayBuffer:
         mask = None
         items = data.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
         for key, value in items:
-            key = _key(key)
+            key = as_key(key)
             if is_non_tensor(value):
                 raise SpecError(
                     f"ReplayBuffer.extend: entry {key!r} holds non-tensor data, which the buffer "
                     f"cannot store per frame; store it as a tensor or drop it "
-                    f"(batch.exclude({key!r}))."
+                    f"(batch.exclude({key!r}))"
                 )
             if key == _MASK:
                 if value.dtype != torch.bool or value.shape != data.batch_size:
                     raise SpecError(
                         f"ReplayBuffer.extend: ('collector', 'mask') must be a bool tensor of the "
                         f"batch's shape {tuple(data.batch_size)}, got {value.dtype} of shape "
-                        f"{tuple(value.shape)}."
+                        f"{tuple(value.shape)}"
                     )
                 mask = value
                 continue
@@ -303,15 +301,15 @@ class ReplayBuffer:
         return leaves, mask
 
     def _allocate(self, data: TensorDictBase, leaves: list[tuple[Key, torch.Tensor]]) -> None:
-        reserved = [_INDEX, *map(_key, self._sampler.sample_keys)]
+        reserved = [_INDEX, *map(as_key, self._sampler.sample_keys)]
         for key, _ in leaves:
             if key in reserved:
                 raise SpecError(
                     f"ReplayBuffer.extend: the batch has an entry {key!r}, a name the buffer's "
-                    f"samples use for their own data; rename or drop it (batch.exclude({key!r}))."
+                    f"samples use for their own data; rename or drop it (batch.exclude({key!r}))"
                 )
         if not leaves:
-            raise SpecError("ReplayBuffer.extend: the batch has no tensor entry to store.")
+            raise SpecError("ReplayBuffer.extend: the batch has no tensor entry to store")
         if self._device is None:
             self._device = data.device if data.device is not None else leaves[0][1].device
         storage = TensorDict(batch_size=[self._capacity], device=self._device)
@@ -330,7 +328,7 @@ class ReplayBuffer:
     def _set_storage(self, storage: TensorDict) -> None:
         self._storage = storage
         self._columns = {
-            _key(k): v for k, v in storage.items(include_nested=True, leaves_only=True)
+            as_key(k): v for k, v in storage.items(include_nested=True, leaves_only=True)
         }
 
     def _check_layout(self, leaves: list[tuple[Key, torch.Tensor]], batch_dims: int) -> None:
@@ -341,21 +339,21 @@ class ReplayBuffer:
                 raise SpecError(
                     f"ReplayBuffer.extend: the batch has no entry {key!r}, which the storage "
                     f"holds (its layout was fixed by the first batch written); every batch must "
-                    f"have the same entries."
+                    f"have the same entries"
                 )
             if value.shape[batch_dims:] != column.shape[1:] or value.dtype != column.dtype:
                 raise SpecError(
                     f"ReplayBuffer.extend: entry {key!r} has per-frame shape "
                     f"{tuple(value.shape[batch_dims:])} and dtype {value.dtype}, but the storage "
                     f"holds {tuple(column.shape[1:])} and {column.dtype} (fixed by the first "
-                    f"batch written)."
+                    f"batch written)"
                 )
         for key in got:
             if key not in self._columns:
                 raise SpecError(
                     f"ReplayBuffer.extend: the batch has an entry {key!r} that the storage does "
                     f"not hold (its layout was fixed by the first batch written); drop it "
-                    f"(batch.exclude({key!r})) or write it from the first batch on."
+                    f"(batch.exclude({key!r})) or write it from the first batch on"
                 )
 
     # -- sampling -------------------------------------------------------------------------------
@@ -378,12 +376,12 @@ class ReplayBuffer:
             if batch_size is None:
                 raise ConfigError(
                     "ReplayBuffer.sample: batch_size is missing; pass sample(batch_size=...) or "
-                    "build the buffer with ReplayBuffer(capacity, batch_size=...)."
+                    "build the buffer with ReplayBuffer(capacity, batch_size=...)"
                 )
         _check_batch_size(batch_size, "ReplayBuffer.sample")
         if self._size == 0:
             raise SamplingError(
-                "ReplayBuffer.sample: the buffer is empty; extend() it before sampling."
+                "ReplayBuffer.sample: the buffer is empty; extend() it before sampling"
             )
         index, extras = self._sampler.sample(self._frames(), batch_size, self._generator)
         padding = index < 0
@@ -448,20 +446,20 @@ class ReplayBuffer:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ConfigError(
                 f"ReplayBuffer.load_state_dict: expected a dict with keys {sorted(expected)}, got "
-                f"{got}."
+                f"{got}"
             )
         cap = self._capacity
         if state["capacity"] != cap:
             raise ConfigError(
                 f"ReplayBuffer.load_state_dict: the state is of a buffer of capacity "
                 f"{state['capacity']}, this one has capacity {cap}; build the buffer with "
-                f"capacity={state['capacity']}."
+                f"capacity={state['capacity']}"
             )
         size, cursor = int(state["size"]), int(state["cursor"])
         if not (0 <= size <= cap and 0 <= cursor < cap and (size == cap or cursor == size)):
             raise ConfigError(
                 f"ReplayBuffer.load_state_dict: inconsistent state: size={size}, cursor={cursor} "
-                f"for capacity {cap}."
+                f"for capacity {cap}"
             )
         storage = None
         if state["storage"] is not None:
@@ -478,13 +476,13 @@ class ReplayBuffer:
             self._sampler.check_storage(storage)
         elif size:
             raise ConfigError(
-                f"ReplayBuffer.load_state_dict: inconsistent state: size={size} but no storage."
+                f"ReplayBuffer.load_state_dict: inconsistent state: size={size} but no storage"
             )
         segments = torch.as_tensor(state["segments"], dtype=torch.int64).cpu().clone()
         if segments.shape != ((cap,) if storage is not None else (0,)):
             raise ConfigError(
                 f"ReplayBuffer.load_state_dict: segments has shape {tuple(segments.shape)}, "
-                f"expected ({cap},)."
+                f"expected ({cap},)"
             )
         self._sampler.load_state_dict(state["sampler"])
         if storage is None:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 import anyio
-
-if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 
 class AsyncResource:

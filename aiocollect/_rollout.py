@@ -21,6 +21,7 @@ from ._errors import SpecError
 from ._heartbeat import POLICY, RESET, STEP
 from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves
 from ._policy import EnvActions, PolicySpec, RandomRunner, build_runner
+from ._wire import BatchInfo, Episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +60,6 @@ def write_traj_ids(traj_buf: np.ndarray, ends: np.ndarray, first_traj: np.ndarra
     np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
     traj_buf[:, 1:] *= total_envs
     traj_buf[:, 1:] += first_traj[:, None]
-
-
-@dataclasses.dataclass
-class EpisodeEnd:
-    env: int  # global env index
-    traj_id: int
-    ret: float
-    length: int
-    terminated: bool
 
 
 class Rollout:
@@ -279,7 +271,7 @@ class Rollout:
         guard = self.guard
         check_finite = self.cfg.check_finite
         max_len = cfg.max_frames_per_traj
-        episodes: list[EpisodeEnd] = []
+        episodes: list[tuple[int, int, float, int, bool]] = []  # (env, traj id, return, length, terminated)
         ep_ret, ep_len = self.ep_ret, self.ep_len
         T = traj_buf.shape[1]
         clock = time.perf_counter
@@ -332,7 +324,7 @@ class Rollout:
                 terms[i] = terminated
                 truncs[i] = truncated
                 if terminated or truncated:
-                    episodes.append(EpisodeEnd(self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
+                    episodes.append((self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
                     resets.append(i)
             if check_finite:
                 self._check_finite(next_bufs, t, rewards)
@@ -360,22 +352,13 @@ class Rollout:
         trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
         write_traj_ids(traj_buf, term_buf[..., 0] | trunc_buf[..., 0], first_traj, cfg.total_envs)
         self.batches += 1
-        self.episodes = episodes
+        self.episodes = Episodes.from_rows(episodes)
 
-    def batch_info(self) -> dict[str, Any]:
-        """What the collector learns with each batch (a small, picklable dict)."""
-        return {
-            "episodes": self._episode_tuples(),
-            "traj_counters": self.traj_counters,
-            "steps": self.steps,
-            "timing": self.timing,
-            "version": self.version,
-        }
+    def batch_info(self) -> BatchInfo:
+        """What the collector learns with each batch (small, sent over the worker's socket)."""
+        return BatchInfo(self.episodes, self.traj_counters, self.timing, self.version)
 
-    def _episode_tuples(self) -> list[tuple[int, int, float, int, bool]]:
-        return [(e.env, e.traj_id, e.ret, e.length, e.terminated) for e in self.episodes]
-
-    def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> list[EpisodeEnd]:
+    def run_batch(self, views: dict[Key, np.ndarray], version: int = 0, tick: Callable[[], None] | None = None) -> Episodes:
         for _ in self.fill(views, version):
             if tick is not None:
                 tick()

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import enum
-import importlib
 import inspect
-import os
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
@@ -35,21 +31,19 @@ from ._errors import (
     CollectorClosedError,
     ConfigError,
     EndOfCollection,
-    SpecError,
 )
-from ._launcher import get_launcher
-from ._layout import SlotLayout, frame_leaves
-from ._policy import PolicySpec, describe
-from ._producer import Lease, Producer, whole_slots
-from ._profiling import ProfileConfig, Recorder
+from ._layout import SlotLayout
+from ._producer import Lease, Producer
+from ._profiling import ProfileConfig, RunProfiling
 from ._resource import unwrap_group, wait_shielded
 from ._rollout import RolloutConfig
 from ._stats import Stats
+from ._startup import import_in_thread, launch_workers, stop_workers
 from ._supervisor import RestartBudget, supervise, watchdog
 from ._systask import spawn_system_task
-from ._vector import learn_sub_envs
 from ._weightsync import WeightSync
-from ._workers import LocalWorker, WorkerHandle, setup_process_slots, start_process_workers
+from ._workers import WorkerHandle
+from ._wire import BatchInfo
 
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see Run._run)
@@ -90,34 +84,6 @@ def loop_token() -> Any:
     return None
 
 
-async def _import_in_thread(module: str) -> None:
-    """Import ``module`` in a thread of its own that ends with the import, while the event loop
-    keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
-    start; torch's import code still holds the GIL for up to ~0.1 s at times. (Not anyio's thread
-    pool: its idle thread would outlive the collector by seconds.)"""
-    done = anyio.Event()
-    token = anyio.lowlevel.current_token()
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            importlib.import_module(module)
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop below
-            failure.append(exc)
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
-        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
-            pass
-
-    thread = threading.Thread(target=target, name=f"aiocollect import {module}", daemon=True)
-    thread.start()
-    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
-        await done.wait()
-    thread.join()
-    if failure:
-        raise failure[0]
-
-
 class Run:
     """The state and tasks of one collector (see the module docstring)."""
 
@@ -135,9 +101,7 @@ class Run:
         self.collected = 0  # frames collected by the workers (total_frames counts these)
         self.seed: int | None = c.seed
         self.static_seed = False
-        self.profile: ProfileConfig | None = c.profile
-        self.recorder: Recorder | None = None
-        self.recorder_from = 0
+        self.profiling = RunProfiling(self, c.profile)
         self.sync = WeightSync(c.policy, c.num_workers == 0, self.emit)
         # the run
         self.closing = False
@@ -348,14 +312,14 @@ class Run:
             self.check_loop()
         raise EndOfCollection(f"all {self.config.total_frames} frames (total_frames) have been collected")
 
-    def delivered(self, parts: list[tuple[int, dict]], frames: int) -> None:
+    def delivered(self, parts: "list[tuple[int, BatchInfo]]", frames: int) -> None:
         """Account for a batch the consumer received (counters, state_dict, progress)."""
         if self.counters is None:
             self.counters = list(self.start_counters or [0] * self.total_rows)
         rows = self.rows_per_worker
         for index, info in parts:
-            self.counters[index * rows : (index + 1) * rows] = info["traj_counters"]
-            self.episodes += len(info["episodes"])
+            self.counters[index * rows : (index + 1) * rows] = info.traj_counters
+            self.episodes += len(info.episodes)
         self.frames += frames
         self.batches += 1
         if self.bar is not None:
@@ -430,53 +394,13 @@ class Run:
 
     # -- profiling ------------------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig) -> None:
-        bad = [w for w in config.workers if w >= self.config.workers]
-        if bad:
-            raise ConfigError(
-                f"ProfileConfig.workers={list(config.workers)} names workers {bad}, but this collector has "
-                f"{self.config.workers} (indices 0..{self.config.workers - 1})"
-            )
         if self.state in (State.STOPPED, State.CLOSED):
+            self.profiling.check(config)
             raise CollectorClosedError(f"enable_profile() on a collector that is {self.state.value}")
-        self.disable_profile()
-        self.profile = config
-        if self.workers_ready:
-            self._start_profile()
-
-    def _start_profile(self) -> None:
-        """Profile the next rollouts of the chosen workers (and of the collector's process)."""
-        p = self.profile
-        if p is None:
-            return
-        local = self.config.num_workers == 0
-        for w in self.workers:
-            if w.index in p.workers and not (local and p.profile_collector):
-                w.profile(p.for_worker(), p.path_for(w.index))
-        if p.profile_collector:
-            self.recorder = Recorder(p.for_worker(), p.path_for("collector"))
-            self.recorder_from = self.producer.rounds if self.producer is not None else 0
+        self.profiling.enable(config, self.workers_ready)
 
     def disable_profile(self) -> None:
-        self.profile = None
-        if self.recorder is not None:
-            self.recorder.abort()
-            self.recorder = None
-        for w in self.workers:
-            w.profile_off()
-
-    async def trace_ready(self, worker: int | None, path: str) -> None:
-        event = ev.ProfileTraceReady(worker=worker, path=path)
-        p = self.profile
-        if p is not None and p.on_trace_ready is not None:
-            result = p.on_trace_ready(event)
-            if inspect.isawaitable(result):
-                await result
-        await self.bus.emit(event)
-
-    async def announce_traces(self) -> None:
-        for w in self.workers:
-            while w.traces:
-                await self.trace_ready(w.index, w.traces.pop(0))
+        self.profiling.disable()
 
     # -- the run's own task ---------------------------------------------------------------------
     async def _run(self) -> None:
@@ -487,8 +411,8 @@ class Run:
                     t_launch = time.perf_counter()
                     async with anyio.create_task_group() as starting:
                         if "tensordict" not in sys.modules:
-                            starting.start_soon(_import_in_thread, "tensordict")
-                        await self._launch()
+                            starting.start_soon(import_in_thread, "tensordict")
+                        await launch_workers(self)
                     self.stats.start()
                     for w in self.workers:
                         await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
@@ -518,7 +442,7 @@ class Run:
                 self.error = unwrap_group(exc)
                 self.launch_failed = not self.started.is_set()
             finally:
-                await self._stop_workers()
+                await stop_workers(self)
             reason = "error" if self.error is not None else ("closed" if self.closing else "total_frames")
             with anyio.CancelScope(shield=True):
                 try:
@@ -528,9 +452,7 @@ class Run:
                     if self.error is None:
                         self.error = exc
         finally:
-            if self.recorder is not None:
-                self.recorder.abort()
-                self.recorder = None
+            self.profiling.abort_collector()
             self.bus.close()
             if self.bar is not None:
                 self.bar.close()
@@ -543,123 +465,6 @@ class Run:
             self.sync.notify()
             self.started.set()
             self.done.set()
-
-    async def _stop_workers(self) -> None:
-        workers = self.workers
-        self.workers_ready = False
-        try:
-            with anyio.CancelScope(shield=True):
-                async with anyio.create_task_group() as tg:
-                    for w in workers:
-                        tg.start_soon(w.stop, self.config.shutdown_timeout)
-        except BaseException:
-            for w in workers:  # the event loop is going away: no more awaiting
-                w.stop_nowait()
-            raise
-        finally:
-            self.sync.close()
-            if self.segment is not None:  # (the mapping stays while batch views use it)
-                os.close(self.segment[0])
-                self.segment = None
-            self.slot_views = []
-            if self.producer is not None:
-                self.producer.pool.clear()
-
-    async def _launch(self) -> None:
-        c = self.config
-        if c.num_workers == 0:
-            factory = c.factory_for(0)
-            if c.policy is None and factory is None:
-                spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
-            else:
-                # a replica, as in a worker: the caller's module may change under training (the
-                # local rollout yields to the loop mid-batch), weights change only by update_weights
-                policy = copy.deepcopy(c.policy) if c.policy is not None else factory()  # type: ignore[misc]
-                spec = PolicySpec("local", exploration_type=c.exploration_type)
-            self.configs = self._rollout_configs([spec])
-            local = LocalWorker(self.configs[0], policy)
-            self.workers = [local]
-            specs = [local.rollout.spec()]
-        else:
-            per_worker = isinstance(c.policy_factory, tuple)
-            policy_specs = [self._describe(i if per_worker else None) for i in range(c.workers if per_worker else 1)]
-            if not per_worker:
-                policy_specs *= c.workers  # one spec for every worker: pickled once
-            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
-            self.configs = self._rollout_configs(policy_specs)
-            workers, specs = await start_process_workers(self.configs, needs, get_launcher())
-            self.workers = list(workers)
-        self.sub_envs = learn_sub_envs(specs, c, self.start_counters, self.seed)
-        batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
-        for i, s in enumerate(batch_specs[1:], 1):
-            if s != batch_specs[0]:
-                raise SpecError(
-                    f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
-                    f"must have the same spaces and every worker's policy the same outputs"
-                )
-        leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
-        T = c.frames_per_batch // (c.envs_per_batch * self.sub_envs)
-        self.layout = SlotLayout.build(leaves, self.rows_per_worker, T, c.num_slots, len(self.workers))
-        store_fds = self.sync.setup([s.get("weights") for s in specs], self.workers)
-        if c.num_workers == 0:
-            self.segment = self.workers[0].setup(self.layout)  # type: ignore[attr-defined]
-            if self.sync.store is not None:
-                await self.workers[0].give_store(self.sync.store)
-        else:
-            weight_layout = None if self.sync.store is None else self.sync.store.layout
-            self.segment = await setup_process_slots(
-                self.workers, self.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
-            )
-        self.slot_views = whole_slots(self.layout, self.segment[1])
-        self.workers_ready = True
-        self._start_profile()
-        if c.progress:
-            from ._progress import make_bar
-
-            self.bar = make_bar(c.total_frames, self.frames)
-
-    def _describe(self, worker: int | None) -> PolicySpec:
-        """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
-        c = self.config
-        factory = c.factory_for(worker or 0)
-        try:
-            return describe(c.policy, factory, c.exploration_type)
-        except Exception as exc:
-            what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
-            raise AiocollectError(
-                f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
-                f"pass policy_factory=<a picklable function that builds it> instead"
-            ) from exc
-
-    def _rollout_configs(self, policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
-        from ._registry import snapshot
-
-        c = self.config
-        counters = tuple(self.start_counters) if self.start_counters else None
-        # ids registered in this process, for the workers: packed once, sent to each as bytes
-        env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
-        registry = snapshot(env_id) if c.num_workers else ()
-        return [
-            RolloutConfig(
-                env_fn=c.create_env_fn,
-                env_kwargs=dict(c.create_env_kwargs or {}),
-                policy=policy_specs[i],
-                worker=i,
-                envs_per_worker=c.envs_per_worker,
-                total_envs=c.total_envs,
-                frames_per_env=c.frames_per_env,
-                seed=self.seed,
-                static_seed=self.static_seed,
-                max_frames_per_traj=c.max_frames_per_traj,
-                random_steps=max(c.random_steps - self.frames // c.total_envs, 0),
-                reset_at_each_iter=c.reset_at_each_iter,
-                traj_counters=counters,
-                registry=registry,
-                check_finite=c.check_finite,
-                action_bounds=c.action_bounds,
-            )
-            for i in range(c.workers)
-        ]
 
     def worker_failed(self, error: BaseException) -> None:
         """A worker raised or died for good: batches it completed before are still delivered

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
-from ._errors import AiocollectError, ConfigError, SpecError
+from ._errors import ConfigError, SamplingError, SpecError
+from ._layout import Key, as_key
 
 __all__ = [
     "Sampler",
@@ -27,19 +28,7 @@ __all__ = [
     "inverse_staleness",
 ]
 
-Key = tuple[str, ...]
 _MASK: Key = ("collector", "mask")
-
-
-class SamplingError(AiocollectError, RuntimeError):
-    """Raised by :meth:`ReplayBuffer.sample` when no sample of the requested kind exists.
-
-    For example: the buffer is empty, no stored frame passes a
-    :class:`StalenessAwareSampler`'s ``max_staleness`` gate, no stored run is long enough for a
-    :class:`SliceSampler`, or a sample without replacement asks for more frames than are stored.
-    The message says what was asked and what the buffer holds. Nothing is consumed: sampling
-    again after more data was written may succeed.
-    """
 
 
 class StoredFrames(NamedTuple):
@@ -61,24 +50,20 @@ class StoredFrames(NamedTuple):
     storage for as long as the token is the same object."""
 
 
-def _key(key: str | tuple[str, ...]) -> Key:
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
 def _entry_key(key: Any, who: str, name: str) -> Key:
     """An entry name given by the user: a str or a non-empty tuple of non-empty strs."""
-    parts = (key,) if isinstance(key, str) else key
-    if not isinstance(parts, tuple) or not parts or not all(isinstance(k, str) and k for k in parts):
+    parts = as_key(key) if isinstance(key, (str, tuple)) else ()
+    if not parts or not all(isinstance(k, str) and k for k in parts):
         raise ConfigError(
             f"{who}: {name} must name an entry of the batches, a str or a tuple of strs "
-            f"(e.g. ('collector', 'traj_ids')), got {key!r}."
+            f"(e.g. ('collector', 'traj_ids')), got {key!r}"
         )
     return parts
 
 
 def _flag(value: Any, who: str, name: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{who}: {name} must be True or False, got {value!r}.")
+        raise ConfigError(f"{who}: {name} must be True or False, got {value!r}")
     return value
 
 
@@ -88,12 +73,12 @@ def _check_scalar_entry(storage: TensorDictBase, key: Key, who: str, role: str) 
     if value is None or not isinstance(value, torch.Tensor):
         raise SpecError(
             f"{who} reads the {role} from entry {key!r}, but the batch written to the buffer has "
-            f"no such tensor entry. Write batches that hold it, or pass the right key to {who}."
+            f"no such tensor entry; write batches that hold it, or pass the right key to {who}"
         )
     if value[0].numel() != 1:
         raise SpecError(
             f"{who} reads the {role} from entry {key!r}, which must hold one number per frame "
-            f"(shape [frames] or [frames, 1]), but it has per-frame shape {tuple(value.shape[1:])}."
+            f"(shape [frames] or [frames, 1]), but it has per-frame shape {tuple(value.shape[1:])}"
         )
 
 
@@ -169,7 +154,7 @@ class UniformSampler(Sampler):
         if batch_size > n:
             raise SamplingError(
                 f"UniformSampler(replacement=False): asked for {batch_size} distinct frames but "
-                f"the buffer holds {n}. Sample fewer, write more first, or use replacement=True."
+                f"the buffer holds {n}; sample fewer, write more first, or use replacement=True"
             )
         return torch.randperm(n, generator=generator)[:batch_size], {}
 
@@ -238,7 +223,7 @@ class StalenessAwareSampler(Sampler):
         if staleness_weight_fn is not None and not callable(staleness_weight_fn):
             raise ConfigError(
                 f"StalenessAwareSampler: staleness_weight_fn must be callable (staleness tensor "
-                f"-> weight tensor), got {staleness_weight_fn!r}."
+                f"-> weight tensor), got {staleness_weight_fn!r}"
             )
         self._weight_fn = staleness_weight_fn or inverse_staleness
         self._version_key = _entry_key(version_key, "StalenessAwareSampler", "version_key")
@@ -270,7 +255,7 @@ class StalenessAwareSampler(Sampler):
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise ConfigError(
                 f"StalenessAwareSampler: max_staleness must be an int >= 0, or -1 for no limit; "
-                f"got {value!r}."
+                f"got {value!r}"
             )
         self._max_staleness = value
 
@@ -313,9 +298,9 @@ class StalenessAwareSampler(Sampler):
                     f"max_staleness={self._max_staleness}, consumer_version="
                     f"{self._consumer_version}, and the freshest of the {frames.size} frames "
                     f"stored has {self._version_key!r} = {freshest} (staleness "
-                    f"{self._consumer_version - freshest}). Write "
+                    f"{self._consumer_version - freshest}); write "
                     "fresher data, raise max_staleness, or check that consumer_version is the "
-                    "learner's weight version."
+                    "learner's weight version"
                 )
         else:
             eligible = torch.arange(frames.size)
@@ -335,7 +320,7 @@ class StalenessAwareSampler(Sampler):
         except (TypeError, RuntimeError) as exc:
             raise ConfigError(
                 f"StalenessAwareSampler: staleness_weight_fn {name} must return a tensor of the "
-                f"staleness tensor's shape {tuple(staleness.shape)}; got {raw!r:.200}."
+                f"staleness tensor's shape {tuple(staleness.shape)}; got {raw!r:.200}"
             ) from exc
         bad = ~torch.isfinite(weights) | (weights < 0)
         if bad.any() or not weights.sum() > 0:
@@ -430,7 +415,7 @@ class SliceSampler(Sampler):
         strict_length: bool = True,
     ) -> None:
         if isinstance(slice_len, bool) or not isinstance(slice_len, int) or slice_len < 1:
-            raise ConfigError(f"SliceSampler: slice_len must be an int >= 1, got {slice_len!r}.")
+            raise ConfigError(f"SliceSampler: slice_len must be an int >= 1, got {slice_len!r}")
         self.slice_len = slice_len
         self.traj_key = _entry_key(traj_key, "SliceSampler", "traj_key")
         self.strict_length = _flag(strict_length, "SliceSampler", "strict_length")
@@ -466,15 +451,15 @@ class SliceSampler(Sampler):
         if batch_size % L:
             raise ConfigError(
                 f"SliceSampler: batch_size {batch_size} is not a multiple of slice_len {L}; a "
-                f"sample holds whole slices (for example batch_size={max(L, batch_size // L * L)})."
+                f"sample holds whole slices (for example batch_size={max(L, batch_size // L * L)})"
             )
         starts, lengths, windows, cum, all_lengths = self._windows(frames)
         if starts.numel() == 0:
             raise SamplingError(
                 f"SliceSampler: no stored run has slice_len={L} frames (the longest run of "
                 f"consecutive frames of one trajectory is {int(all_lengths.max())}, among "
-                f"{frames.size} frames). Write longer rows, sample shorter slices, or pass "
-                "strict_length=False to allow padded short slices."
+                f"{frames.size} frames); write longer rows, sample shorter slices, or pass "
+                "strict_length=False to allow padded short slices"
             )
         num_slices = batch_size // L
         u = torch.randint(int(cum[-1]), (num_slices,), generator=generator)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tensordict import (
     NonTensorStack,
@@ -12,11 +14,16 @@ from tensordict import (
     is_tensor_collection,
 )
 
+from ._errors import ConfigError, ConfigTypeError
+
+if TYPE_CHECKING:  # pragma: no cover - _layout imports gymnasium, which splitting does not need
+    from ._layout import Key
+
 __all__ = ["split_trajectories"]
 
-_TRAJ_IDS = ("collector", "traj_ids")
-_MASK = ("collector", "mask")
-_NEXT_DONE = ("next", "done")
+_TRAJ_IDS: Key = ("collector", "traj_ids")
+_MASK: Key = ("collector", "mask")
+_NEXT_DONE: Key = ("next", "done")
 
 
 def split_trajectories(td: TensorDictBase) -> TensorDict:
@@ -41,10 +48,11 @@ def split_trajectories(td: TensorDictBase) -> TensorDict:
         empty ``[0, 0]`` result.
 
     Raises:
-        ValueError: the input already holds ``("collector", "mask")`` (it is already split), has
-            more than two batch dimensions, or has neither ``("collector", "traj_ids")`` nor
-            ``("next", "done")``.
-        TypeError: the input holds per-frame non-tensor data (a ``NonTensorStack``).
+        ConfigError: (a ``ValueError``) the input already holds ``("collector", "mask")`` (it is
+            already split), has more than two batch dimensions, or has neither
+            ``("collector", "traj_ids")`` nor ``("next", "done")``.
+        ConfigTypeError: (a ``ConfigError`` and a ``TypeError``) the input holds per-frame
+            non-tensor data (a ``NonTensorStack``).
 
     Example:
         >>> import torch
@@ -68,17 +76,17 @@ def split_trajectories(td: TensorDictBase) -> TensorDict:
                 [ True,  True,  True]])
     """
     if _MASK in td.keys(include_nested=True):
-        raise ValueError(
+        raise ConfigError(
             'split_trajectories: the batch already has a ("collector", "mask") entry, so it is '
             "already split into trajectories (or padded by another layout); pass the unsplit "
-            "[envs, time] batch instead."
+            "[envs, time] batch instead"
         )
     if td.batch_dims == 1:
         td = td.unsqueeze(0)
     elif td.batch_dims != 2:
-        raise ValueError(
+        raise ConfigError(
             f"split_trajectories: expected a batch of shape [envs, time], got batch_size "
-            f"{tuple(td.batch_size)}."
+            f"{tuple(td.batch_size)}; pass the collector's batch, or one env's row [time]"
         )
     num_rows, row_len = td.batch_size
     num_frames = num_rows * row_len
@@ -102,9 +110,9 @@ def split_trajectories(td: TensorDictBase) -> TensorDict:
     for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
         if is_non_tensor(value):
             if isinstance(value, NonTensorStack):
-                raise TypeError(
+                raise ConfigTypeError(
                     f"split_trajectories: entry {key!r} holds per-frame non-tensor data, which "
-                    "cannot be padded; store it as a tensor or drop it before splitting."
+                    f"cannot be padded; store it as a tensor or drop it before splitting (batch.exclude({key!r}))"
                 )
             out.set_non_tensor(key, td.get_non_tensor(key))
             continue
@@ -138,9 +146,10 @@ def _segment_starts(td: TensorDictBase, num_frames: int, row_len: int) -> torch.
     else:
         done = td.get(_NEXT_DONE, None)
         if done is None:
-            raise ValueError(
+            raise ConfigError(
                 'split_trajectories: the batch has neither ("collector", "traj_ids") nor '
-                '("next", "done"), so trajectories cannot be told apart.'
+                '("next", "done"), so trajectories cannot be told apart; pass a batch that holds '
+                "either (the collector's batches hold both)"
             )
         flat = done.reshape(num_frames, -1).any(-1)  # a frame is done if any of its flags is
         starts = torch.ones(num_frames, dtype=torch.bool, device=flat.device)

@@ -7,6 +7,8 @@ import time
 from collections import deque
 from typing import Mapping
 
+from ._wire import BatchInfo
+
 
 @dataclasses.dataclass(frozen=True)
 class CollectorStats:
@@ -45,13 +47,13 @@ class Stats:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
-    def batch(self, infos: list[tuple[int, dict]], *, wait: float, delivery: float) -> dict[str, float]:
+    def batch(self, infos: "list[tuple[int, BatchInfo]]", *, wait: float, delivery: float) -> dict[str, float]:
         timing = {"env": 0.0, "policy": 0.0, "wait": wait, "delivery": delivery}
         for _, info in infos:
-            for key, value in info.get("timing", {}).items():
+            for key, value in info.timing.items():
                 timing[key] += value
-            self.episodes += len(info["episodes"])
-            self.returns.extend(e[2] for e in info["episodes"])
+            self.episodes += len(info.episodes)
+            self.returns.extend(info.episodes.ret)
         for key, value in timing.items():
             self.timing[key] += value
         return timing

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import ConfigError
+from ._errors import ConfigError, WeightsMismatchError
 
 _HEADER_WORDS = 8  # seq0, seq1, latest (-1: nothing yet), version0, version1, unused...
 _ALIGN = 64
@@ -119,14 +119,6 @@ def is_model_id(model_id: Any) -> bool:
     if not isinstance(model_id, str):
         return False
     return model_id == ROOT or (model_id.startswith(ROOT + ".") and all(model_id[len(ROOT) + 1:].split(".")))
-
-
-class WeightsMismatchError(ConfigError, KeyError):
-    """The weights given to ``update_weights`` lack tensors of the model they are for. A
-    :class:`ConfigError` (and, as it was first, a ``KeyError``) whose message is printed as it is."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 class WeightStore:

@@ -1,16 +1,162 @@
-"""Small control messages between the collector, the launcher and the workers.
+"""Small control messages between the collector and its rollout workers, and how they travel.
 
 Frames are a 4-byte big-endian length and a pickle. File descriptors (shared-memory segments,
 sockets) ride along with a message as SCM_RIGHTS ancillary data. Tensors never travel here:
 batches live in shared memory. Imported by worker processes: standard library only.
+
+The rollout protocol (``C`` the collector's :class:`~aiocollect._workers.ProcessWorker`, ``W`` the
+worker process, :mod:`aiocollect._worker`); every message is one of the frozen types below::
+
+    W: Hello(pid)
+    C: Config(payload)                 the cloudpickled RolloutConfig
+    W: Spec(spec)                      the batch leaves: {"obs", "act", "extras", "weights"}
+    C: Slots(layout, weight_layout, free, heartbeat)   + fds: the slots' memfd (the heartbeat
+                                       areas follow the slots in it) and the weight store's
+    C: Credit(n)                       collect n more batches
+    C: Release(slot)                   the consumer is done with the slot: fill it again
+    C: WeightsPublished()              applied now if the worker is idle, else at the boundary
+    C: Store(layout)                   + fd: a weight store of this worker's own
+    C: Profile(settings, path) / ProfileOff()
+    W: Ready(slot, n, info)            batch n is in slot; info: a BatchInfo
+    W: Applied(version, time)          the worker now acts with weights ``version``
+    W: Trace(path)                     a profiler trace was written
+    W: Error(exception, traceback)     the cloudpickled exception; the worker then exits
+    C: end-of-file (shutdown(SHUT_WR)): close the envs and exit
+
+A worker reads the collector's messages between env steps (every ``_TICK`` seconds at most) and
+while it waits; weights change only at batch boundaries. The launcher reports a failed fork on
+the child's socket with the same :class:`Error`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import socket
 import struct
-from typing import Any
+from typing import Any, Iterator
+
+_frozen = dataclasses.dataclass(frozen=True, slots=True)
+
+
+# -- worker to collector ------------------------------------------------------------------------
+@_frozen
+class Hello:
+    pid: int
+
+
+@_frozen
+class Spec:
+    spec: dict
+
+
+@_frozen
+class Episodes:
+    """The episodes that ended in one batch, in the order they ended, as columns (a vector env
+    ends about a thousand episodes per batch: no object per episode on this side of the wire)."""
+
+    env: list[int]  # the global env (row) index
+    traj_id: list[int]
+    ret: list[float]
+    length: list[int]
+    terminated: list[bool]
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, float, int, bool]]) -> "Episodes":
+        if not rows:
+            return NO_EPISODES
+        return cls(*(list(col) for col in zip(*rows)))
+
+    def __len__(self) -> int:
+        return len(self.env)
+
+    def __iter__(self) -> Iterator[tuple[int, int, float, int, bool]]:
+        """``(env, traj_id, ret, length, terminated)`` per episode."""
+        return zip(self.env, self.traj_id, self.ret, self.length, self.terminated)
+
+
+NO_EPISODES = Episodes([], [], [], [], [])
+
+
+@_frozen
+class BatchInfo:
+    """What the collector learns with each batch, besides the batch in shared memory."""
+
+    episodes: Episodes
+    traj_counters: list[int]  # per env (row) of the worker: the trajectory it is in now
+    timing: dict[str, float]  # seconds in env.step and in the policy
+    version: int  # the policy version the batch was collected with (its last step's)
+
+
+@_frozen
+class Ready:
+    slot: int
+    n: int  # the batch's number among this process's batches
+    info: BatchInfo
+
+
+@_frozen
+class Applied:
+    version: int
+    time: float
+
+
+@_frozen
+class Trace:
+    path: str
+
+
+@_frozen
+class Error:
+    """The worker failed (and exits): the cloudpickled exception and its formatted traceback."""
+
+    exception: bytes
+    traceback: str
+
+
+# -- collector to worker ------------------------------------------------------------------------
+@_frozen
+class Config:
+    payload: bytes  # cloudpickle of a RolloutConfig
+
+
+@_frozen
+class Slots:
+    layout: Any  # a SlotLayout
+    weight_layout: Any  # the shared weight store's layout, or None
+    free: list[int]
+    heartbeat: bool  # a step_timeout: keep a heartbeat, dump the stack on SIGUSR1
+
+
+@_frozen
+class Credit:
+    n: int
+
+
+@_frozen
+class Release:
+    slot: int
+
+
+@_frozen
+class WeightsPublished:
+    pass
+
+
+@_frozen
+class Store:
+    layout: Any
+
+
+@_frozen
+class Profile:
+    settings: dict
+    path: str
+
+
+@_frozen
+class ProfileOff:
+    pass
 
 _HEADER = struct.Struct("!I")
 MAX_FDS = 16

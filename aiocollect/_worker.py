@@ -1,27 +1,10 @@
 """A worker process: steps its envs and writes batches into its shared-memory slots.
 
 Started by the launcher (a fork of our clean template process) or as ``python -m
-aiocollect._worker FD``. It talks to the collector over one Unix socket: small messages only.
-It exits by itself when the collector's process dies (its socket reaches end-of-file, or the
-launcher it was forked from dies, which sends it SIGKILL). Protocol (``C`` collector, ``W``
-worker)::
-
-    W: ("hello", pid)
-    C: ("config", cloudpickle(RolloutConfig))
-    W: ("spec", {"obs": leaves, "act": leaves, "extras": leaves, "weights": layout or None})
-    C: ("layout", SlotLayout, weight layout or None, free slots, heartbeat?)  + fds: the slots'
-       memfd (and the weight store's); the heartbeat area follows the slots in the same memfd
-    C: ("credit", n)        collect n more batches     ("release", slot)  the slot is free again
-    C: ("weights",)         new weights are published: applied now if idle, else at the boundary
-    C: ("store", layout)    + fd: a weight store of this worker's own
-    C: ("profile", settings, path) / ("profile_off",)
-    W: ("ready", slot, n, info)   batch n is in slot     ("applied", version, time)
-    W: ("trace", path)            a profiler trace was written
-    W: ("error", packed exception, traceback): it then exits
-    C: end-of-file (shutdown(SHUT_WR)): close the envs and exit
-
-Messages from the collector are read between steps (every ``_TICK`` seconds at most) and while
-waiting; weights change only at batch boundaries.
+aiocollect._worker FD``. It talks to the collector over one Unix socket: small typed messages
+only, the protocol is in :mod:`aiocollect._wire`. It exits by itself when the collector's process
+dies (its socket reaches end-of-file, or the launcher it was forked from dies, which sends it
+SIGKILL).
 """
 
 from __future__ import annotations
@@ -36,6 +19,10 @@ from typing import Any
 
 from . import _heartbeat
 from ._peer import _TICK, Peer, _Stop, pack_exception, serve_peer  # noqa: F401 - re-exported
+from ._wire import (
+    Applied, Config, Credit, Hello, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
+    WeightsPublished,
+)
 
 
 class Worker(Peer):
@@ -51,37 +38,43 @@ class Worker(Peer):
     def apply_weights(self) -> None:
         version = self.rollout.apply_weights()
         if version is not None:
-            self.send(("applied", version, time.time()))
+            self.send(Applied(version, time.time()))
 
     def handle(self, msg: Any, fds: list[int] = ()) -> None:  # type: ignore[assignment]
-        op = msg[0]
-        if op == "credit":
-            self.credits += msg[1]
-        elif op == "release":
-            if msg[1] not in self.free:  # (a replacement worker may hear of a slot twice)
-                self.free.append(msg[1])
-        elif op == "stop":
-            raise _Stop
-        elif op == "weights":  # new weights: applied now if idle, else at the batch boundary
-            pass
-        elif op == "store":  # a store of this worker's own (per-worker weights)
-            from ._weights import map_store
+        match msg:
+            case Credit(n):
+                self.credits += n
+            case Release(slot):
+                if slot not in self.free:  # (a replacement worker may hear of a slot twice)
+                    self.free.append(slot)
+            case WeightsPublished():  # applied now if idle, else at the batch boundary
+                pass
+            case Store(layout):  # a store of this worker's own (per-worker weights)
+                from ._weights import map_store
 
-            self.rollout.add_store(map_store(fds[0], msg[1]))
-            os.close(fds[0])
-        elif op == "profile":  # profile the next rollouts
-            from ._profiling import Recorder
+                self.rollout.add_store(map_store(fds[0], layout))
+                os.close(fds[0])
+            case Profile(settings, path):  # profile the next rollouts
+                from ._profiling import Recorder
 
-            if self.recorder is not None:
-                self.recorder.abort()
-            self.recorder = Recorder(msg[1], msg[2])
-            self.profiled_from = self.batches
-        elif op == "profile_off":
-            if self.recorder is not None:
-                self.recorder.abort()
-                self.recorder = None
-        else:  # pragma: no cover - protocol error
-            raise RuntimeError(f"aiocollect worker: unknown message {op!r}")
+                if self.recorder is not None:
+                    self.recorder.abort()
+                self.recorder = Recorder(settings, path)
+                self.profiled_from = self.batches
+            case ProfileOff():
+                if self.recorder is not None:
+                    self.recorder.abort()
+                    self.recorder = None
+            case _:  # pragma: no cover - protocol error
+                raise RuntimeError(f"aiocollect worker: unexpected message {msg!r}")
+
+    def expect(self, kind: type) -> Any:
+        msg, fds = self.recv()
+        for fd in fds:  # pragma: no cover - protocol error
+            os.close(fd)
+        if not isinstance(msg, kind):  # pragma: no cover - protocol error
+            raise RuntimeError(f"aiocollect worker: expected {kind.__name__}, got {msg!r}")
+        return msg
 
     def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int]) -> Any:
         """Map the slots (and the heartbeat areas after them, one per worker); take the weight store."""
@@ -103,16 +96,18 @@ class Worker(Peer):
 
         from ._vector import open_rollout
 
-        self.send(("hello", os.getpid()))
-        msg, _ = self.recv()
-        cfg = cloudpickle.loads(msg[1])
+        self.send(Hello(os.getpid()))
+        config = self.expect(Config)
+        cfg = cloudpickle.loads(config.payload)
         self.rollout = rollout = open_rollout(cfg)  # a Rollout, or a VectorRollout for vector envs
-        self.send(("spec", rollout.spec()))
-        msg, fds = self.recv()
-        _, layout, weight_layout, free, watch = msg
-        mm = self._map(layout, weight_layout, watch, fds)
+        self.send(Spec(rollout.spec()))
+        slots, fds = self.recv()
+        if not isinstance(slots, Slots):  # pragma: no cover - protocol error
+            raise RuntimeError(f"aiocollect worker: expected Slots, got {slots!r}")
+        layout = slots.layout
+        mm = self._map(layout, slots.weight_layout, slots.heartbeat, fds)
         views = [layout.views(mm, s, cfg.worker) for s in range(layout.num_slots)]
-        self.free.extend(free)
+        self.free.extend(slots.free)
         if cfg.profile is not None:
             from ._profiling import Recorder
 
@@ -129,10 +124,10 @@ class Worker(Peer):
             if recorder is not None:
                 recorder.before(n)
             rollout.run_batch(views[slot], rollout.version, self.tick)
-            self.send(("ready", slot, self.batches, rollout.batch_info()))
+            self.send(Ready(slot, self.batches, rollout.batch_info()))
             if recorder is not None and (path := recorder.after(n)) is not None:
                 self.recorder = None
-                self.send(("trace", path))
+                self.send(Trace(path))
             self.batches += 1
 
 

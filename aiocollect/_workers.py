@@ -22,6 +22,10 @@ from ._errors import SpecError
 from ._layout import SlotLayout
 from ._rollout import Rollout, RolloutConfig
 from ._vector import open_rollout
+from ._wire import (
+    Applied, BatchInfo, Config, Credit, Error, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
+    WeightsPublished,
+)
 
 _ENTRY = "aiocollect._worker:serve"
 
@@ -40,7 +44,7 @@ class _Slots:
 class WorkerHandle:
     """What the producer sees of a worker seat.
 
-    ``ready`` holds ``(slot, info)`` for batches completed and not yet taken; ``held`` the slots
+    ``ready`` holds ``(slot, BatchInfo)`` for batches completed and not yet taken; ``held`` the slots
     taken by the producer and not yet released; ``completed`` counts the batches the seat's
     processes reported (credits of a replacement start from it).
     """
@@ -50,7 +54,7 @@ class WorkerHandle:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.ready: deque[tuple[int, dict]] = deque()
+        self.ready: deque[tuple[int, BatchInfo]] = deque()
         self.held: set[int] = set()
         self.traces: list[str] = []  # profiler trace files written, not yet announced
         self.credits_sent = 0
@@ -62,7 +66,7 @@ class WorkerHandle:
     def pid(self) -> int | None:
         return None
 
-    def take(self) -> tuple[int, dict]:
+    def take(self) -> tuple[int, BatchInfo]:
         """The oldest completed batch: ``(slot, info)``; the slot is held until released."""
         slot, info = self.ready.popleft()
         self.held.add(slot)
@@ -73,10 +77,10 @@ class WorkerHandle:
         busy = self.held | {slot for slot, _ in self.ready}
         return [s for s in range(self.slots.layout.num_slots) if s not in busy]
 
-    def _completed(self, slot: int, info: dict) -> None:
+    def _completed(self, slot: int, info: BatchInfo) -> None:
         self.ready.append((slot, info))
         self.completed += 1
-        self.counters = info["traj_counters"]
+        self.counters = info.traj_counters
 
     async def grant(self, credits: int) -> None:
         raise NotImplementedError
@@ -146,8 +150,8 @@ class ProcessWorker(WorkerHandle):
         import cloudpickle
 
         await proc.handshake()
-        await proc.send(("config", cloudpickle.dumps(cfg)))
-        return (await proc.expect("spec"))[1]
+        await proc.send(Config(cloudpickle.dumps(cfg)))
+        return (await proc.expect(Spec)).spec
 
     def attach(self, layout: SlotLayout, fd: int, mm: Any) -> None:
         """Take this seat's rows of the slots' segment (``fd``: a descriptor of its own)."""
@@ -158,7 +162,7 @@ class ProcessWorker(WorkerHandle):
     async def give_slots(self, free: list[int]) -> None:
         assert self.proc is not None and self.fd is not None
         await self.proc.send(
-            ("layout", self.slots.layout, self.weight_layout, free, self.watch), (self.fd, *self.store_fds)
+            Slots(self.slots.layout, self.weight_layout, free, self.watch), (self.fd, *self.store_fds)
         )
 
     # -- producer interface ---------------------------------------------------------------------
@@ -166,30 +170,30 @@ class ProcessWorker(WorkerHandle):
         if self.proc is None:
             return  # being replaced: the replacement gets its credits when it is up
         self.credits_sent += credits
-        await self.proc.send(("credit", credits))
+        await self.proc.send(Credit(credits))
 
     async def release(self, slot: int) -> None:
         self.held.discard(slot)
         if self.proc is not None:  # (else a replacement gets it with its free slots)
-            await self.proc.send(("release", slot))
+            await self.proc.send(Release(slot))
 
     async def nudge(self) -> None:
         if self.proc is not None:
-            await self.proc.send(("weights",))
+            await self.proc.send(WeightsPublished())
 
     async def give_store(self, store: Any) -> None:
         """A weight store of this worker's own (kept for a replacement)."""
         self.own_store = store
         if self.proc is not None:
-            await self.proc.send(("store", store.layout), (store.fd,))
+            await self.proc.send(Store(store.layout), (store.fd,))
 
     def profile(self, settings: dict, path: str) -> None:
         if self.proc is not None:
-            self.proc.send_nowait(("profile", settings, path))
+            self.proc.send_nowait(Profile(settings, path))
 
     def profile_off(self) -> None:
         if self.proc is not None:
-            self.proc.send_nowait(("profile_off",))
+            self.proc.send_nowait(ProfileOff())
 
     async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
         proc = self.proc
@@ -199,17 +203,19 @@ class ProcessWorker(WorkerHandle):
                 msg = await proc.recv()
             except Exception as exc:  # noqa: BLE001 - its end-of-file (BrokenWorkerError)
                 return self.hung or exc
-            op = msg[0]
-            if op == "ready":
-                self._completed(msg[1], msg[3])
-                on_ready(self)
-            elif op == "applied":
-                await on_applied(self, msg[1])
-            elif op == "trace":
-                self.traces.append(msg[1])
-                on_ready(None)
-            elif op == "error":
-                return self.hung or proc.error_from(msg)
+            match msg:
+                case Ready(slot, _, info):
+                    self._completed(slot, info)
+                    on_ready(self)
+                case Applied(version, _):
+                    await on_applied(self, version)
+                case Trace(path):
+                    self.traces.append(path)
+                    on_ready(None)
+                case Error():
+                    return self.hung or proc.error_from(msg)
+                case _:  # pragma: no cover - protocol error
+                    raise RuntimeError(f"{proc.name}: unexpected message {msg!r}")
 
     # -- hangs ----------------------------------------------------------------------------------
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:

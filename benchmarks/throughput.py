@@ -339,6 +339,40 @@ def run_aiocollect(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: A
     return result
 
 
+# one tree's aiocollect in a child process (--compare-with): the child runs this file with
+# --_tree-child DELIVERY, PYTHONPATH=TREE, and prints its Result as one JSON line
+
+
+def tree_child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    collector_cls, missing = _import_aiocollect()
+    if collector_cls is None:
+        raise SystemExit(missing)
+    import aiocollect
+
+    result = run_aiocollect(args, make_policy(), collector_cls, args.tree_child)
+    result.extra["aiocollect_file"] = aiocollect.__file__
+    print("RESULT " + json.dumps(asdict(result)), flush=True)
+
+
+def run_tree(args: argparse.Namespace, tree: str, delivery: str, name: str) -> Result:
+    """aiocollect from checkout ``tree``, measured in a child process (same settings as ours)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_tree-child", delivery, "--seconds", str(args.seconds),
+           "--warmup", str(args.warmup), "--workers", str(args.workers), "--envs-per-worker",
+           str(args.envs_per_worker), "--frames-per-batch", str(args.frames_per_batch)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.seconds * 10 + 120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return Result(name, note=f"FAILED (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+    result = Result(**json.loads(lines[-1][len("RESULT "):]))
+    result.name = name
+    where = os.path.dirname(os.path.dirname(os.path.abspath(result.extra["aiocollect_file"])))
+    if where != os.path.abspath(tree):
+        return Result(name, note=f"FAILED: the child imported aiocollect from {where}, not {tree}")
+    return result
+
+
 # time to first batch: the child side runs in a fresh interpreter (this file with --_ttfb-child)
 
 
@@ -430,7 +464,7 @@ class Stage:
 
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of an error, unwrapping exception groups (anyio's task groups raise those)."""
-    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())  # exception groups (3.10: the backport)
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ())  # exception groups
     while len(inner) == 1:
         exc = inner[0]
         inner = getattr(exc, "exceptions", ())
@@ -499,7 +533,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip aiocollect (throughput, loop lag, time to first batch)",
     )
+    p.add_argument(
+        "--compare-with",
+        metavar="TREE",
+        help="also measure aiocollect from another checkout TREE (e.g. `git worktree add /tmp/before <commit>`): "
+        "both trees' sync and async setups then run in child processes, interleaved (ours, TREE's)",
+    )
     p.add_argument("--_ttfb-child", action="store_true", dest="ttfb_child", help=argparse.SUPPRESS)
+    p.add_argument("--_tree-child", choices=("sync", "async"), dest="tree_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     n = args.workers * args.envs_per_worker
     if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % n:
@@ -567,7 +608,17 @@ def main(args: argparse.Namespace) -> int:
             Stage("torchrl", "TorchRL MultiSyncCollector",
                   "TorchRL MultiSyncCollector (MultiSyncDataCollector before 0.14)", lambda: run_torchrl(args, policy)),
         ]  # fmt: skip
-    if collector_cls is not None:
+    if collector_cls is not None and args.compare_with:
+        ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for delivery in ("sync", "async"):
+            for label, tree in (("this tree", ours), ("compared", args.compare_with)):
+                key = f"aiocollect_{delivery}" + ("" if tree == ours else "_compared")
+                stages.append(
+                    Stage(key, f"aiocollect {delivery} ({label})",
+                          f'aiocollect delivery="{delivery}" from {tree} (child process, 1 ms ticker on its loop)',
+                          functools.partial(run_tree, args, tree, delivery, f"aiocollect {delivery} ({label})"))
+                )  # fmt: skip
+    elif collector_cls is not None:
         for delivery in ("sync", "async"):
             stages.append(
                 Stage(f"aiocollect_{delivery}", f"aiocollect {delivery}",
@@ -591,7 +642,7 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
             result = Result(stage.name, note=f"FAILED: {_describe(exc)}")
         finally:
-            if stage.key == "aiocollect_async":
+            if stage.key.startswith("aiocollect_async"):
                 _shutdown_aiocollect_launcher()
             left = reap(stage.title)
             if left:
@@ -661,7 +712,7 @@ def main(args: argparse.Namespace) -> int:
             "env": ENV_ID,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **machine(),
-            "args": {k: v for k, v in vars(args).items() if k != "ttfb_child"},
+            "args": {k: v for k, v in vars(args).items() if k not in ("ttfb_child", "tree_child")},
             "limit_fps": limit,
             "results": {
                 key: {**asdict(r), "ratio_to_limit": (r.fps / limit if r.fps and limit else None)}
@@ -680,6 +731,14 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     _args = parse_args()
+    if _args.tree_child:
+        try:
+            tree_child(_args)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        finally:
+            _shutdown_aiocollect_launcher()
+        sys.exit(0)
     if _args.ttfb_child:
         try:
             ttfb_child(_args)

@@ -14,6 +14,11 @@ VENV=.venv
 TORCH_VERSION=${AIOCOLLECT_TORCH_VERSION:-2.13.0}
 
 if [ ! -x "$VENV/bin/python" ]; then
+  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "[setup] aiocollect needs Python 3.11 or newer; $PY is $("$PY" --version 2>/dev/null || echo 'not found')." \
+      "Point PYTHON at one: PYTHON=python3.11 bash $0 ..." >&2
+    exit 1
+  fi
   echo "[setup] creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi

@@ -16,6 +16,11 @@ TORCHRL_VERSION=0.14.1
 TENSORDICT_RANGE=">=0.14,<0.15"
 
 if [ ! -x "$VENV/bin/python" ]; then
+  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "[setup] aiocollect needs Python 3.11 or newer; $PY is $("$PY" --version 2>/dev/null || echo 'not found')." \
+      "Point PYTHON at one: PYTHON=python3.11 bash $0 ..." >&2
+    exit 1
+  fi
   echo "[setup] creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi

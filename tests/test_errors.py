@@ -6,7 +6,9 @@ surfaces exactly once."""
 from __future__ import annotations
 
 import gc
+import importlib
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -14,6 +16,7 @@ import time
 import anyio
 import pytest
 import torch
+from tensordict import NonTensorData, TensorDict
 
 import aiocollect
 from aiocollect import (
@@ -21,11 +24,16 @@ from aiocollect import (
     BrokenWorkerError,
     Collector,
     ConfigError,
+    ReplayBuffer,
     SpecError,
     State,
     WorkerError,
+    split_trajectories,
 )
-from aiocollect import _workers
+from aiocollect import _errors, _workers
+from aiocollect._bus import EventBus
+from aiocollect._policy import classify
+from aiocollect.events import Event
 from aiocollect._launcher import get_launcher
 from aiocollect.testing import BadObservationEnv, CountingEnv, InjectedFailure
 from procs import alive as _alive
@@ -574,3 +582,166 @@ async def test_sending_to_a_dead_worker_raises_broken_worker_error_not_os_error(
                 await w.send(("credit", 1))
     finally:
         ours.close()
+
+
+# ---- one error family ----------------------------------------------------------------------------
+
+#: exceptions of aiocollect.testing that stand for the user's own code failing, not for aiocollect
+USER_SIDE = {"InjectedFailure"}
+
+
+def _exported_exceptions() -> list[tuple[str, type[BaseException]]]:
+    found = []
+    for module in (aiocollect, aiocollect.testing):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                found.append((f"{module.__name__}.{name}", value))
+    return found
+
+
+def test_every_exported_exception_is_an_aiocollect_error_from_the_errors_module():
+    """Every exception class aiocollect or aiocollect.testing exports derives from
+    AiocollectError, is defined in aiocollect._errors and says when it is raised; the only
+    exception is testing's InjectedFailure, which plays the user's code failing."""
+    found = _exported_exceptions()
+    assert {name.rsplit(".", 1)[1] for name, _ in found} >= {"AiocollectError", "ConfigError", "SamplingError",
+                                                            "SubscriptionOverflowError", "InjectedFailure"}
+    for name, cls in found:
+        short = name.rsplit(".", 1)[1]
+        if short in USER_SIDE:
+            assert not issubclass(cls, AiocollectError), name
+            continue
+        assert issubclass(cls, AiocollectError), name
+        assert cls.__doc__ and cls.__doc__.strip(), f"{name} has no docstring saying when it is raised"
+        assert cls.__module__ == "aiocollect._errors", name
+        assert short in _errors.__all__, name
+
+
+def test_no_module_defines_a_public_exception_outside_the_errors_module():
+    """A new error class added anywhere but _errors.py fails here (private control-flow
+    exceptions, named with a leading underscore, may live where they are used)."""
+    package = pathlib.Path(aiocollect.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        module = importlib.import_module(f"aiocollect.{path.stem}" if path.stem != "__init__" else "aiocollect")
+        for name, value in vars(module).items():
+            if not (isinstance(value, type) and issubclass(value, BaseException)):
+                continue
+            if value.__module__ != module.__name__ or name.startswith("_"):
+                continue
+            if module.__name__ == "aiocollect._errors" or name in USER_SIDE:
+                continue
+            raise AssertionError(f"{module.__name__}.{name} is an exception class outside aiocollect._errors")
+
+
+def test_every_class_in_the_errors_module_is_an_aiocollect_error():
+    for name in _errors.__all__:
+        assert issubclass(getattr(_errors, name), AiocollectError), name
+
+
+def test_errors_keep_their_old_import_paths():
+    """SubscriptionOverflowError, SamplingError and WeightsMismatchError moved to _errors.py;
+    importing them from where they were still gives the same classes."""
+    from aiocollect._bus import SubscriptionOverflowError
+    from aiocollect._samplers import SamplingError
+    from aiocollect._weights import WeightsMismatchError
+
+    assert SubscriptionOverflowError is _errors.SubscriptionOverflowError is aiocollect.SubscriptionOverflowError
+    assert SamplingError is _errors.SamplingError is aiocollect.SamplingError
+    assert WeightsMismatchError is _errors.WeightsMismatchError
+
+
+def test_weights_mismatch_error_is_a_config_error_and_a_key_error_printed_without_quotes():
+    err = _errors.WeightsMismatchError("the weights given for 'policy' lack ['w']; pass the module")
+    assert isinstance(err, ConfigError) and isinstance(err, KeyError) and isinstance(err, AiocollectError)
+    assert str(err) == "the weights given for 'policy' lack ['w']; pass the module"
+
+
+class _ZeroActions(torch.nn.Module):
+    """Action 0 for every env; two tensors of weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3))
+        self.b = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, obs):
+        return torch.zeros(obs.shape[0], dtype=torch.int64)
+
+
+async def test_update_weights_that_lack_a_tensor_raise_weights_mismatch_error():
+    """Catchable as ConfigError and, as it first was, as KeyError; its str() is the message."""
+    async with Collector(CountingEnv, _ZeroActions(), frames_per_batch=8, num_workers=0) as c:
+        for kind in (ConfigError, KeyError, _errors.WeightsMismatchError):
+            with pytest.raises(kind) as info:
+                await c.update_weights({"w": torch.ones(3)})
+            assert str(info.value).startswith("the weights given for 'policy' lack ['b']"), str(info.value)
+
+
+def _split_batch(**entries) -> TensorDict:
+    base = {("next", "done"): torch.zeros(1, 3, 1, dtype=torch.bool), "observation": torch.zeros(1, 3)}
+    base.update(entries)
+    return TensorDict(base, batch_size=[1, 3])
+
+
+def _per_frame_note_batch() -> TensorDict:
+    rows = [TensorDict({"note": NonTensorData(str(t)), ("collector", "traj_ids"): torch.tensor(0)}, []) for t in range(3)]
+    return torch.stack(rows).unsqueeze(0)
+
+
+def _handler(event):
+    return None
+
+
+#: (what is called, the type it raised before it was a ConfigError, a pattern of its message)
+BAD_CALLS = [
+    pytest.param(lambda: split_trajectories(split_trajectories(_split_batch())), ValueError, "already split",
+                 id="split-already-split"),
+    pytest.param(lambda: split_trajectories(TensorDict({"x": torch.zeros(1, 2, 3)}, [1, 2, 3])), ValueError,
+                 r"batch_size \(1, 2, 3\)", id="split-three-dims"),
+    pytest.param(lambda: split_trajectories(TensorDict({"x": torch.zeros(2, 3)}, [2, 3])), ValueError,
+                 "neither", id="split-no-ids-no-done"),
+    pytest.param(lambda: split_trajectories(_per_frame_note_batch()), TypeError, "'note'", id="split-per-frame-non-tensor"),
+    pytest.param(lambda: EventBus().on(Event, 42), TypeError, "handler=42 is not callable", id="on-handler-not-callable"),
+    pytest.param(lambda: EventBus().on(int, _handler), TypeError, "not an aiocollect.events.Event", id="on-not-an-event"),
+    pytest.param(lambda: EventBus().subscribe(str), TypeError, "not an aiocollect.events.Event", id="subscribe-not-an-event"),
+    pytest.param(lambda: ReplayBuffer(8).extend({"x": torch.zeros(2)}), TypeError, "expected a TensorDict batch, got dict",
+                 id="replay-extend-not-a-tensordict"),
+    pytest.param(lambda: classify(42), TypeError, "policy must be callable, got int", id="policy-not-callable"),
+]
+
+
+@pytest.mark.parametrize(("call", "old_type", "match"), BAD_CALLS)
+def test_a_bad_argument_to_a_method_raises_config_error_that_is_still_its_old_type(call, old_type, match):
+    """Bad arguments raise ConfigError (ConfigTypeError where a TypeError was raised before), so
+    both `except ConfigError` and the `except ValueError`/`except TypeError` user code already
+    has catch them; the message names the cause and the fix (after a semicolon), with no full
+    stop at the end."""
+    for kind in (ConfigError, old_type, AiocollectError):
+        with pytest.raises(kind, match=match) as info:
+            call()
+    message = str(info.value)
+    assert ";" in message, message
+    assert not message.endswith("."), message
+    if old_type is TypeError:
+        assert isinstance(info.value, _errors.ConfigTypeError)
+
+
+def _returns_no_env(**kwargs):
+    return 42
+
+
+@BACKENDS
+async def test_env_factory_that_returns_no_env_raises_config_error_from_start(num_workers):
+    """A create_env_fn that returns something other than an env: start() raises a ConfigError
+    that is also a TypeError, naming create_env_fn and what it returned, with the worker-side
+    traceback as a note."""
+    c = Collector(_returns_no_env, frames_per_batch=8, total_frames=8, num_workers=num_workers)
+    try:
+        with anyio.fail_after(30), pytest.raises(ConfigError, match="create_env_fn returned int, not a gymnasium.Env") as info:
+            await c.start()
+    finally:
+        await c.aclose()
+    assert isinstance(info.value, TypeError)
+    assert _has_worker_traceback_note(info.value)
+    assert c.state is State.CLOSED

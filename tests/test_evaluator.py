@@ -767,7 +767,7 @@ def test_example_runs_and_prints_evaluation_results():
 
 def test_wire_messages_are_frozen_and_survive_the_socket():
     """The evaluator's messages are frozen dataclasses that round-trip through the wire's pickle;
-    only the fatal error is a tuple (the shape every child process sends)."""
+    the hello and the fatal error are the rollout wire's (every child process sends them)."""
     import dataclasses
     import pickle
 
@@ -775,7 +775,7 @@ def test_wire_messages_are_frozen_and_survive_the_socket():
 
     messages = [
         w.Configure(b"cfg"), w.Ready(), w.Evaluate(1, ("state_dict", {"w": 1.0}), 3), w.Abort(1),
-        w.Result(1, [1.0, 2.0], [1, 2]), w.Aborted(1), w.Failed(1, b"exc", "tb"),
+        w.Result(1, [1.0, 2.0], [1, 2]), w.Aborted(1), w.Failed(1, b"exc", "tb"), w.Hello(7),
     ]
     for msg in messages:
         assert list(_wire.FrameReader().feed(_wire.encode(msg))) == [msg]
@@ -784,7 +784,7 @@ def test_wire_messages_are_frozen_and_survive_the_socket():
             with pytest.raises(dataclasses.FrozenInstanceError):
                 setattr(msg, field.name, None)
         assert not w.is_fatal(msg)
-    assert w.is_fatal(("error", b"exc", "tb"))
+    assert w.is_fatal(w.Error(b"exc", "tb")) and w.Error is _wire.Error and w.Hello is _wire.Hello
 
 
 def test_the_evaluator_imports_no_rollout_code():

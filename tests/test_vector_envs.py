@@ -191,7 +191,9 @@ async def test_async_delivery_batches_hold_one_workers_sub_envs():
         assert envs in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11])
         seen.add(envs[0])
         check_continuity(b)
-    assert seen == {0, 6}
+    # (which workers deliver is up to timing: async delivery takes whichever batch is ready first,
+    # and on a loaded machine one worker may deliver all six while the other starts)
+    assert seen <= {0, 6} and seen
 
 
 async def test_options_behave_as_with_single_envs():

@@ -1,0 +1,182 @@
+"""Starting and stopping one run's worker pool: the policy as the workers get it, their rollout
+configs, the worker processes (or the in-process local worker), the slots' shared memory and the
+weight store; and taking it all down again. The run itself (:class:`~aiocollect._run.Run`) calls
+these from its task."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._errors import AiocollectError, SpecError
+from ._launcher import get_launcher
+from ._layout import SlotLayout, frame_leaves
+from ._policy import PolicySpec, describe
+from ._producer import whole_slots
+from ._rollout import RolloutConfig
+from ._vector import learn_sub_envs
+from ._workers import LocalWorker, setup_process_slots, start_process_workers
+
+if TYPE_CHECKING:
+    from ._run import Run
+
+
+async def import_in_thread(module: str) -> None:
+    """Import ``module`` in a thread of its own that ends with the import, while the event loop
+    keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
+    start; torch's import code still holds the GIL for up to ~0.1 s at times. (Not anyio's thread
+    pool: its idle thread would outlive the collector by seconds.)"""
+    done = anyio.Event()
+    token = anyio.lowlevel.current_token()
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop below
+            failure.append(exc)
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
+            pass
+
+    thread = threading.Thread(target=target, name=f"aiocollect import {module}", daemon=True)
+    thread.start()
+    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
+        await done.wait()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+async def stop_workers(run: "Run") -> None:
+    """Stop every worker (killed after shutdown_timeout), release the slots' segment and the
+    weight stores; also when the event loop is going away (nothing awaited then)."""
+    workers = run.workers
+    run.workers_ready = False
+    try:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(w.stop, run.config.shutdown_timeout)
+    except BaseException:
+        for w in workers:  # the event loop is going away: no more awaiting
+            w.stop_nowait()
+        raise
+    finally:
+        run.sync.close()
+        if run.segment is not None:  # (the mapping stays while batch views use it)
+            os.close(run.segment[0])
+            run.segment = None
+        run.slot_views = []
+        if run.producer is not None:
+            run.producer.pool.clear()
+
+
+async def launch_workers(run: "Run") -> None:
+    """Start the workers (in-process for ``num_workers=0``), learn their batch leaves, lay out
+    and share the slots and the weight store; the run is then ready to grant credits."""
+    c = run.config
+    if c.num_workers == 0:
+        factory = c.factory_for(0)
+        if c.policy is None and factory is None:
+            spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
+        else:
+            # a replica, as in a worker: the caller's module may change under training (the
+            # local rollout yields to the loop mid-batch), weights change only by update_weights
+            policy = copy.deepcopy(c.policy) if c.policy is not None else factory()  # type: ignore[misc]
+            spec = PolicySpec("local", exploration_type=c.exploration_type)
+        run.configs = rollout_configs(run, [spec])
+        local = LocalWorker(run.configs[0], policy)
+        run.workers = [local]
+        specs = [local.rollout.spec()]
+    else:
+        per_worker = isinstance(c.policy_factory, tuple)
+        policy_specs = [policy_spec(run, i if per_worker else None) for i in range(c.workers if per_worker else 1)]
+        if not per_worker:
+            policy_specs *= c.workers  # one spec for every worker: pickled once
+        needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
+        run.configs = rollout_configs(run, policy_specs)
+        workers, specs = await start_process_workers(run.configs, needs, get_launcher())
+        run.workers = list(workers)
+    run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
+    batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
+    for i, s in enumerate(batch_specs[1:], 1):
+        if s != batch_specs[0]:
+            raise SpecError(
+                f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
+                f"must have the same spaces and every worker's policy the same outputs"
+            )
+    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
+    T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
+    run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
+    store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
+    if c.num_workers == 0:
+        run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
+        if run.sync.store is not None:
+            await run.workers[0].give_store(run.sync.store)
+    else:
+        weight_layout = None if run.sync.store is None else run.sync.store.layout
+        run.segment = await setup_process_slots(
+            run.workers, run.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
+        )
+    run.slot_views = whole_slots(run.layout, run.segment[1])
+    run.workers_ready = True
+    run.profiling.start()
+    if c.progress:
+        from ._progress import make_bar
+
+        run.bar = make_bar(c.total_frames, run.frames)
+
+
+def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
+    """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
+    c = run.config
+    factory = c.factory_for(worker or 0)
+    try:
+        return describe(c.policy, factory, c.exploration_type)
+    except Exception as exc:
+        what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
+        raise AiocollectError(
+            f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+            f"pass policy_factory=<a picklable function that builds it> instead"
+        ) from exc
+
+
+def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+    from ._registry import snapshot
+
+    c = run.config
+    counters = tuple(run.start_counters) if run.start_counters else None
+    # ids registered in this process, for the workers: packed once, sent to each as bytes
+    env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
+    registry = snapshot(env_id) if c.num_workers else ()
+    return [
+        RolloutConfig(
+            env_fn=c.create_env_fn,
+            env_kwargs=dict(c.create_env_kwargs or {}),
+            policy=policy_specs[i],
+            worker=i,
+            envs_per_worker=c.envs_per_worker,
+            total_envs=c.total_envs,
+            frames_per_env=c.frames_per_env,
+            seed=run.seed,
+            static_seed=run.static_seed,
+            max_frames_per_traj=c.max_frames_per_traj,
+            random_steps=max(c.random_steps - run.frames // c.total_envs, 0),
+            reset_at_each_iter=c.reset_at_each_iter,
+            traj_counters=counters,
+            registry=registry,
+            check_finite=c.check_finite,
+            action_bounds=c.action_bounds,
+        )
+        for i in range(c.workers)
+    ]
+
+
+__all__ = ["import_in_thread", "launch_workers", "policy_spec", "rollout_configs", "stop_workers"]
