@@ -93,7 +93,7 @@ class ChildProcess:
     async def handshake(self) -> None:
         """Wait for the child's hello and take its pid."""
         hello = await self.expect(_wire.Hello)
-        self.set_pid(hello.pid if isinstance(hello, _wire.Hello) else hello[1])
+        self.set_pid(hello.pid)
 
     @property
     def name(self) -> str:
@@ -175,29 +175,25 @@ class ChildProcess:
             worker=self.index,
         )
 
-    def error_from(self, msg: Any) -> BaseException:
-        """The exception for an :class:`~aiocollect._wire.Error` message (or a message whose last
-        two fields are a packed exception and a traceback)."""
+    def error_from(self, msg: "_wire.Error") -> BaseException:
+        """The exception for an :class:`~aiocollect._wire.Error` message (or any message with a
+        packed ``exception`` and its ``traceback``, as the evaluator's ``Failed``)."""
         import cloudpickle
 
-        packed, tb = (msg.exception, msg.traceback) if isinstance(msg, _wire.Error) else (msg[-2], msg[-1])
         try:
-            exc = cloudpickle.loads(packed)
+            exc = cloudpickle.loads(msg.exception)
         except Exception:  # the exception's class could not be loaded here
             exc = None
-        return worker_error(self.index, self.pid, exc, tb, who=self.name)
+        return worker_error(self.index, self.pid, exc, msg.traceback, who=self.name)
 
-    async def expect(self, kind: type | str) -> Any:
-        """The next message, which must be a ``kind`` (a message type; or the first field of a
-        tuple message); an :class:`~aiocollect._wire.Error` raises the child's exception."""
+    async def expect(self, kind: type) -> Any:
+        """The next message, which must be a ``kind``; an :class:`~aiocollect._wire.Error` raises
+        the child's exception."""
         msg = await self.recv()
-        if isinstance(msg, _wire.Error) or (isinstance(msg, tuple) and msg and msg[0] == "error"):
+        if isinstance(msg, _wire.Error):
             raise self.error_from(msg)
-        if isinstance(kind, str) and isinstance(msg, _wire.Hello) and kind == "hello":
-            return ("hello", msg.pid)
-        ok = isinstance(msg, kind) if isinstance(kind, type) else (isinstance(msg, tuple) and msg[0] == kind)
-        if not ok and not (kind is _wire.Hello and isinstance(msg, tuple) and msg[0] == "hello"):
-            raise RuntimeError(f"{self.name}: expected {getattr(kind, '__name__', kind)!r}, got {msg!r}")
+        if not isinstance(msg, kind):  # pragma: no cover - protocol error
+            raise RuntimeError(f"{self.name}: expected {kind.__name__}, got {msg!r}")
         return msg
 
     # -- the process ------------------------------------------------------------------------------
