@@ -537,7 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compare-with",
         metavar="TREE",
         help="also measure aiocollect from another checkout TREE (e.g. `git worktree add /tmp/before <commit>`): "
-        "both trees' sync and async setups then run in child processes, interleaved (ours, TREE's)",
+        "both trees' sync and async setups then run in child processes, interleaved (ours then TREE's for sync, "
+        "TREE's then ours for async)",
     )
     p.add_argument("--_ttfb-child", action="store_true", dest="ttfb_child", help=argparse.SUPPRESS)
     p.add_argument("--_tree-child", choices=("sync", "async"), dest="tree_child", help=argparse.SUPPRESS)
@@ -610,8 +611,9 @@ def main(args: argparse.Namespace) -> int:
         ]  # fmt: skip
     if collector_cls is not None and args.compare_with:
         ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        for delivery in ("sync", "async"):
-            for label, tree in (("this tree", ours), ("compared", args.compare_with)):
+        pair = [("this tree", ours), ("compared", args.compare_with)]
+        for delivery in ("sync", "async"):  # (ours first, then theirs first: a drift favours neither)
+            for label, tree in pair if delivery == "sync" else pair[::-1]:
                 key = f"aiocollect_{delivery}" + ("" if tree == ours else "_compared")
                 stages.append(
                     Stage(key, f"aiocollect {delivery} ({label})",
