@@ -52,6 +52,63 @@ def _check_device(device: Any) -> torch.device | None:
     return dev
 
 
+def _batch_leaves(
+    data: TensorDictBase
+) -> tuple[list[tuple[Key, torch.Tensor]], torch.Tensor | None]:
+    """The batch's tensor leaves to store, and its ('collector', 'mask') if any."""
+    leaves = []
+    mask = None
+    items = data.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
+    for key, value in items:
+        key = as_key(key)
+        if is_non_tensor(value):
+            raise SpecError(
+                f"ReplayBuffer.extend: entry {key!r} holds non-tensor data, which the buffer "
+                f"cannot store per frame; store it as a tensor or drop it "
+                f"(batch.exclude({key!r}))"
+            )
+        if key == _MASK:
+            if value.dtype != torch.bool or value.shape != data.batch_size:
+                raise SpecError(
+                    f"ReplayBuffer.extend: ('collector', 'mask') must be a bool tensor of the "
+                    f"batch's shape {tuple(data.batch_size)}, got {value.dtype} of shape "
+                    f"{tuple(value.shape)}"
+                )
+            mask = value
+            continue
+        leaves.append((key, value))
+    return leaves, mask
+
+
+def _check_layout(
+    columns: dict[Key, torch.Tensor], leaves: list[tuple[Key, torch.Tensor]], batch_dims: int
+) -> None:
+    """A batch after the first must have the storage's entries, shapes and dtypes."""
+    got = {key: value for key, value in leaves}
+    for key, column in columns.items():
+        value = got.get(key)
+        if value is None:
+            raise SpecError(
+                f"ReplayBuffer.extend: the batch has no entry {key!r}, which the storage "
+                f"holds (its layout was fixed by the first batch written); every batch must "
+                f"have the same entries"
+            )
+        if value.shape[batch_dims:] != column.shape[1:] or value.dtype != column.dtype:
+            raise SpecError(
+                f"ReplayBuffer.extend: entry {key!r} has per-frame shape "
+                f"{tuple(value.shape[batch_dims:])} and dtype {value.dtype}, but the storage "
+                f"holds {tuple(column.shape[1:])} and {column.dtype} (fixed by the first "
+                f"batch written)"
+            )
+    for key in got:
+        if key not in columns:
+            raise SpecError(
+                f"ReplayBuffer.extend: the batch has an entry {key!r} that the storage does "
+                f"not hold (its layout was fixed by the first batch written); drop it "
+                f"(batch.exclude({key!r})) or write it from the first batch on"
+            )
+
+
 class ReplayBuffer:
     """A fixed-capacity circular buffer of frames, with a pluggable :class:`Sampler`.
 
@@ -229,11 +286,11 @@ class ReplayBuffer:
             )
         batch_dims = data.batch_dims
         num = data.batch_size.numel()
-        leaves, mask = self._leaves_of(data)
+        leaves, mask = _batch_leaves(data)
         if self._storage is None:
             self._allocate(data, leaves)
         else:
-            self._check_layout(leaves, batch_dims)
+            _check_layout(self._columns, leaves, batch_dims)
 
         starts = torch.zeros(num, dtype=torch.bool)
         if num:
@@ -274,32 +331,6 @@ class ReplayBuffer:
         self._token = object()
         return (torch.arange(first, first + kept, device=self._device)) % cap
 
-    def _leaves_of(
-        self, data: TensorDictBase
-    ) -> tuple[list[tuple[Key, torch.Tensor]], torch.Tensor | None]:
-        leaves = []
-        mask = None
-        items = data.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
-        for key, value in items:
-            key = as_key(key)
-            if is_non_tensor(value):
-                raise SpecError(
-                    f"ReplayBuffer.extend: entry {key!r} holds non-tensor data, which the buffer "
-                    f"cannot store per frame; store it as a tensor or drop it "
-                    f"(batch.exclude({key!r}))"
-                )
-            if key == _MASK:
-                if value.dtype != torch.bool or value.shape != data.batch_size:
-                    raise SpecError(
-                        f"ReplayBuffer.extend: ('collector', 'mask') must be a bool tensor of the "
-                        f"batch's shape {tuple(data.batch_size)}, got {value.dtype} of shape "
-                        f"{tuple(value.shape)}"
-                    )
-                mask = value
-                continue
-            leaves.append((key, value))
-        return leaves, mask
-
     def _allocate(self, data: TensorDictBase, leaves: list[tuple[Key, torch.Tensor]]) -> None:
         reserved = [_INDEX, *map(as_key, self._sampler.sample_keys)]
         for key, _ in leaves:
@@ -330,31 +361,6 @@ class ReplayBuffer:
         self._columns = {
             as_key(k): v for k, v in storage.items(include_nested=True, leaves_only=True)
         }
-
-    def _check_layout(self, leaves: list[tuple[Key, torch.Tensor]], batch_dims: int) -> None:
-        got = {key: value for key, value in leaves}
-        for key, column in self._columns.items():
-            value = got.get(key)
-            if value is None:
-                raise SpecError(
-                    f"ReplayBuffer.extend: the batch has no entry {key!r}, which the storage "
-                    f"holds (its layout was fixed by the first batch written); every batch must "
-                    f"have the same entries"
-                )
-            if value.shape[batch_dims:] != column.shape[1:] or value.dtype != column.dtype:
-                raise SpecError(
-                    f"ReplayBuffer.extend: entry {key!r} has per-frame shape "
-                    f"{tuple(value.shape[batch_dims:])} and dtype {value.dtype}, but the storage "
-                    f"holds {tuple(column.shape[1:])} and {column.dtype} (fixed by the first "
-                    f"batch written)"
-                )
-        for key in got:
-            if key not in self._columns:
-                raise SpecError(
-                    f"ReplayBuffer.extend: the batch has an entry {key!r} that the storage does "
-                    f"not hold (its layout was fixed by the first batch written); drop it "
-                    f"(batch.exclude({key!r})) or write it from the first batch on"
-                )
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None) -> TensorDict:
