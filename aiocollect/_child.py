@@ -175,7 +175,7 @@ class ChildProcess:
             worker=self.index,
         )
 
-    def error_from(self, msg: "_wire.Error") -> BaseException:
+    def error_from(self, msg: Any) -> BaseException:
         """The exception for an :class:`~aiocollect._wire.Error` message (or any message with a
         packed ``exception`` and its ``traceback``, as the evaluator's ``Failed``)."""
         import cloudpickle

@@ -103,7 +103,9 @@ def _check_strs(config: Any, choices: dict[str, str]) -> None:
 
 
 def check_kwargs(name: str, kwargs: Any) -> None:
-    """The keys of keyword arguments (a dict, or None) are strs."""
+    """Keyword arguments: a dict (or None) whose keys are strs."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"{name}={kwargs!r} must be a dict or None")
     bad = [k for k in kwargs or () if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"{name}={kwargs!r:.200} has the key {bad[0]!r}; keyword arguments are named by strs")
@@ -135,6 +137,18 @@ def check_platform(what: str) -> None:
             f"{what} needs Linux (it relies on fork, memfd_create, pidfd and /proc), and this is "
             f"{sys.platform!r}; run it on Linux (WSL2 and Docker on macOS are Linux)"
         )
+
+
+def check_policy_args(policy: Any, policy_factory: Any) -> None:
+    """``policy`` and ``policy_factory``: at most one of them, and a callable policy (the
+    collector's and the evaluator's)."""
+    if policy is not None and policy_factory is not None:
+        raise ConfigError(
+            f"policy={policy!r:.80} and policy_factory={policy_factory!r:.80}: pass either policy or "
+            f"policy_factory, not both"
+        )
+    if policy is not None and not callable(policy):
+        raise ConfigError(f"policy={policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,13 +280,7 @@ class CollectorConfig:
                 f"inference={self.inference!r} is not available in this version; use inference='worker' "
                 f"(the policy runs in each worker)"
             )
-        if self.policy is not None and self.policy_factory is not None:
-            raise ConfigError(
-                f"policy={self.policy!r:.80} and policy_factory={self.policy_factory!r:.80}: pass either policy or "
-                f"policy_factory, not both"
-            )
-        if self.policy is not None and not callable(self.policy):
-            raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
+        check_policy_args(self.policy, self.policy_factory)
         factory = self.policy_factory
         if isinstance(factory, (list, tuple)):
             if len(factory) != self.workers:
@@ -292,8 +300,6 @@ class CollectorConfig:
                 f"policy_factory={factory!r} is not callable; pass a function that builds the policy, "
                 f"or a list of one per worker"
             )
-        if self.create_env_kwargs is not None and not isinstance(self.create_env_kwargs, dict):
-            raise ConfigError(f"create_env_kwargs={self.create_env_kwargs!r} must be a dict or None")
         check_kwargs("create_env_kwargs", self.create_env_kwargs)
         envs = self.envs_per_batch
         if self.frames_per_batch % envs:

@@ -21,6 +21,7 @@ from ._config import (
     check_data_options,
     check_env_id,
     check_kwargs,
+    check_policy_args,
     check_platform,
 )
 from ._errors import ConfigError
@@ -124,13 +125,7 @@ class EvaluatorConfig:
                 f"env={env!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
                 f"pass e.g. 'CartPole-v1' or lambda: gymnasium.make('CartPole-v1')"
             )
-        if self.policy is not None and self.policy_factory is not None:
-            raise ConfigError(
-                f"policy={self.policy!r:.80} and policy_factory={self.policy_factory!r:.80}: pass either policy or "
-                f"policy_factory, not both"
-            )
-        if self.policy is not None and not callable(self.policy):
-            raise ConfigError(f"policy={self.policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
+        check_policy_args(self.policy, self.policy_factory)
         if self.policy_factory is not None and not callable(self.policy_factory):
             raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable; pass a function that builds the policy")
         _positive_int("num_trajectories", self.num_trajectories, fix="pass the number of episodes per evaluation")
@@ -150,8 +145,6 @@ class EvaluatorConfig:
                 f"num_envs={self.num_envs} is more than num_trajectories={self.num_trajectories}: the extra envs "
                 f"would never run an episode; use num_envs<={self.num_trajectories}"
             )
-        if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
-            raise ConfigError(f"env_kwargs={self.env_kwargs!r} must be a dict or None")
         check_kwargs("env_kwargs", self.env_kwargs)
         check_seed(self.seed)  # episode j starts with reset(seed=seed + j); torch's generator gets seed
         if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import anyio
 
 from . import _heartbeat, _shm
-from ._child import ChildProcess, worker_error
+from ._child import ChildProcess
 from ._errors import BrokenWorkerError, WorkerError
 from ._eval_wire import Abort, Aborted, Answer, Configure, Error, Evaluate, Failed, Ready, Result, is_fatal
 from ._launcher import get_launcher
@@ -144,16 +144,9 @@ class EvalProcess(ChildProcess):
         self.send_nowait(Abort(rid))
 
     def failure(self, msg: Failed | Error) -> BaseException:
-        """The exception for a :class:`Failed` evaluation or the fatal :class:`Error`."""
-        if not isinstance(msg, Failed):
-            return self.error_from(msg)
-        import cloudpickle
-
-        try:
-            exc = cloudpickle.loads(msg.exception)
-        except Exception:  # the exception's class could not be loaded here
-            exc = None
-        return worker_error(self.index, self.pid, exc, msg.traceback, who=self.name)
+        """The exception for a :class:`Failed` evaluation or the fatal :class:`Error` (both carry
+        the packed exception and its traceback)."""
+        return self.error_from(msg)
 
     # -- hangs and stopping ---------------------------------------------------------------------
     async def check_hung(self, timeout: float) -> None:
