@@ -161,6 +161,8 @@ async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
 
     meter.t_section = time.perf_counter()
     options = {"zero_copy": True} if zero_copy else {}
+    if args.prefetch is not None:
+        options["prefetch"] = args.prefetch
     async with Collector(
         functools.partial(make_pong, obs),
         None,
@@ -321,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="run everything this many times (default 1)")
     p.add_argument("--skip-gymnasium", action="store_true", help="skip gymnasium's AsyncVectorEnv")
     p.add_argument("--copy-only", action="store_true", help="skip the zero_copy setups")
+    p.add_argument("--prefetch", type=int, help="the collectors' prefetch (default: the collector's default)")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="measure the limit only first and last (default: also between setups)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
