@@ -7,6 +7,9 @@
 #                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
 #   bash scripts/run.sh pixels [args]   benchmarks/pixels.py (installs the `atari` extra: ale-py, opencv)
+#   bash scripts/run.sh envpool-test [args]
+#                                       tests/test_envpool.py in .venv-envpool, a venv with EnvPool
+#                                       (about 700 MB with its assets: not in the main venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -47,5 +50,11 @@ case "$cmd" in
   pixels)
     "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[atari]"
     exec "$VENV/bin/python" benchmarks/pixels.py "$@" ;;
-  *) echo "usage: bash scripts/run.sh {demo|test|bench|pixels} [args]" >&2; exit 2 ;;
+  envpool-test)
+    EV=.venv-envpool
+    [ -x "$EV/bin/python" ] || { echo "[setup] creating $EV"; "$PY" -m venv "$EV"; }
+    "$EV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+    "$EV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]" envpool
+    exec "$EV/bin/python" -m pytest tests/test_envpool.py "$@" ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|bench|pixels|envpool-test} [args]" >&2; exit 2 ;;
 esac
