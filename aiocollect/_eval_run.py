@@ -21,7 +21,7 @@ import numpy as np
 
 from ._bus import EventBus
 from ._child import add_note
-from ._errors import EvaluatorClosedError, WorkerError
+from ._errors import ConfigTypeError, EvaluatorClosedError, WorkerError
 from ._eval_config import EvaluatorConfig, EvaluatorState
 from ._eval_process import EvalProcess
 from ._eval_wire import Aborted, Failed, Result
@@ -79,7 +79,7 @@ async def compute_metrics(
         if inspect.isawaitable(extra):
             extra = await extra
         if not isinstance(extra, Mapping):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"metrics_fn returned {type(extra).__name__}; it must return a mapping of metric names to values"
             )
         metrics.update(extra)

@@ -34,7 +34,7 @@ import numpy as np
 from ._checks import ActionGuard, check_reward, check_value, short
 from . import _heartbeat
 from ._envs import add_envs, close_envs
-from ._errors import SpecError
+from ._errors import ConfigTypeError, SpecError
 from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
 from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
 from ._peer import Peer, _Stop, pack_exception, serve_peer
@@ -135,7 +135,7 @@ class EvalWorker(Peer):
 
         if not isinstance(self.root, torch.nn.Module):
             what = "a random policy (policy=None)" if self.root is None else f"a {type(self.root).__name__}"
-            raise TypeError(
+            raise ConfigTypeError(
                 f"weights were given, but the evaluator's policy is {what}, not a torch.nn.Module "
                 f"that could load them; pass weights=None, or build the Evaluator with an nn.Module policy"
             )

@@ -244,8 +244,25 @@ async def test_metrics_fn_adds_metrics_sync_or_async_and_a_non_mapping_fails_the
     assert list(metrics)[-3:] == ["step", "num_trajectories", "seconds"]
 
     async with Evaluator(env, AlwaysOne(), num_trajectories=2, metrics_fn=lambda r, n: 1.0) as ev:
-        with pytest.raises(TypeError, match="metrics_fn returned float"):
+        with pytest.raises(TypeError, match="metrics_fn returned float") as raised:
             await ev.evaluate()
+    assert isinstance(raised.value, ConfigError), "a wrong metrics_fn is the caller's argument error"
+
+
+async def test_weights_for_a_policy_that_cannot_load_them_is_a_config_error():
+    """evaluate(weights) with a policy that is a plain function: the worker cannot load weights
+    into it; the caller gets a ConfigError (also a TypeError) naming the fix, and the evaluator
+    goes on."""
+
+    def left(td):  # (a callable that is no nn.Module takes and returns the TensorDict)
+        td["action"] = torch.zeros(td.batch_size, dtype=torch.int64)
+        return td
+
+    async with Evaluator("CartPole-v1", left, num_trajectories=2, seed=0) as ev:
+        with pytest.raises(TypeError, match="not a torch.nn.Module that could load them") as raised:
+            await ev.evaluate(ArgmaxMLP().state_dict())
+        assert isinstance(raised.value, ConfigError)
+        assert (await ev.evaluate())["num_trajectories"] == 2
 
 
 async def test_exploration_type_is_the_interaction_type_the_policy_runs_under():
