@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import os
 import random
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from typing import Any
 import anyio
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file (tests import us as benchmarks._leaks)
+from _util import ArgmaxMLP  # noqa: E402,F401 - (leaks.py, soak.py and tests/test_leaks.py take it from here)
 
 _SHM_MARKERS = ("memfd:", "aiocollect")
 
@@ -209,18 +213,6 @@ async def settled_snapshot(baseline: Snapshot | None = None, timeout: float = 5.
 
 
 ENV_ID = "CartPole-v1"
-OBS_DIM = 4
-
-
-class ArgmaxMLP(nn.Module):
-    """A 4-64-2 MLP acting greedily on CartPole (argmax of its logits)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+from torch import nn
 
 _PR_SET_CHILD_SUBREAPER = 36
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -23,6 +25,19 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # count them.
 MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 HELPERS = (*MP_HELPERS, "aiocollect._launcher")
+
+
+class ArgmaxMLP(nn.Module):
+    """The benchmarks' CartPole policy: a 4-64-2 MLP acting greedily (argmax of its logits),
+    float32 observations [B, 4] -> int64 actions [B]. (Workers get it by reference: aiocollect's
+    launcher gives them this process's sys.path, where this module is.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What an Evaluator costs a Collector running in the same event loop.
 
-One collector (CartPole-v1, the 4-64-2 ArgmaxMLP of benchmarks/throughput.py acting greedily,
+One collector (CartPole-v1, the 4-64-2 ArgmaxMLP of benchmarks/_util.py acting greedily,
 ``--workers`` x ``--envs-per-worker`` envs, ``--frames-per-batch`` frames per batch) and one
 evaluator (CartPole-v1, the same policy, ``--trajectories`` episodes per evaluation, seeded) run
 in one uvloop event loop for the whole benchmark. Phases alternate (``--rounds`` times):
@@ -51,20 +51,12 @@ import anyio
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file
+from _util import ArgmaxMLP  # noqa: E402
+
 ENV_ID = "CartPole-v1"
 SEED = 0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class ArgmaxMLP(nn.Module):
-    """The benchmark policy of benchmarks/throughput.py: float32 [B, 4] -> int64 [B]."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 def log(msg: str) -> None:

@@ -71,10 +71,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file, also for python -m
 from _util import (
+    ArgmaxMLP,
     MP_HELPERS,
     Meter,
     Result,
@@ -95,20 +95,6 @@ SEED = 0
 OBS_DIM = 4
 TICK_S = 0.001
 TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
-
-
-class ArgmaxMLP(nn.Module):
-    """The benchmark policy: float32 observations [B, 4] -> int64 actions [B] (argmax of the logits).
-
-    Defined in the script on purpose: aiocollect cloudpickles it by value to its worker processes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 def make_policy() -> ArgmaxMLP:

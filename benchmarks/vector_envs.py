@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file
-from _util import (  # noqa: E402
+from _util import (
+    ArgmaxMLP,  # noqa: E402
     Meter,
     Result,
     become_subreaper,
@@ -58,17 +59,6 @@ from _util import (  # noqa: E402
 )
 
 SEED = 0
-
-
-class ArgmaxMLP(nn.Module):
-    """float32 observations [B, 4] -> int64 actions [B] (argmax of the logits)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 class PongPolicy(nn.Module):

@@ -93,6 +93,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file, also for python -m
 from _util import (
+    ArgmaxMLP,
     MP_HELPERS,
     become_subreaper,
     child_signals,
@@ -115,17 +116,6 @@ SETTLE_TIMEOUT_S = 60.0  # longest wait for one update to be applied / acknowled
 
 # --------------------------------------------------------------------------------------------------
 # the models (defined in the script: aiocollect cloudpickles them by value, spawn re-imports this file)
-
-
-class ArgmaxMLP(nn.Module):
-    """The policy of benchmarks/throughput.py: 4 -> 64 -> tanh -> 2, argmax."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 class WideArgmaxMLP(nn.Module):

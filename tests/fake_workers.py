@@ -60,10 +60,6 @@ class FakeWorker(WorkerHandle):
         self.stopped = False
         self.failed_once = False
 
-    @property
-    def pid(self) -> int | None:
-        return None
-
     async def grant(self, credits: int) -> None:
         self.credits_sent += credits
         self.credits += credits
