@@ -388,7 +388,14 @@ class Collector(Service, BlockingMixin):
         """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is
         killed), free the shared memory and close the stream. Idempotent; shielded from
         cancellation. Raises an error of the workers that no consumer has seen yet."""
-        await self._run.aclose()
+        try:
+            await self._run.aclose()
+        finally:
+            if self._run.state is CollectorState.CLOSED:
+                # nothing left for the finalizer to stop; and the finalizer registry, a global,
+                # must not keep the run alive: its error's traceback may refer to this collector
+                # and to a batch (whose memory, a lent slot, would stay mapped)
+                self._finalizer.detach()
 
     # -- consuming --------------------------------------------------------------------------------
     async def collect(self) -> "TensorDict":

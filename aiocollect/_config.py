@@ -391,10 +391,21 @@ class CollectorConfig:
         return self.total_envs + self.workers - 1
 
     @property
+    def lend_slots(self) -> int:
+        """Slots per worker that may be lent to the consumer as batches (``_pool.Loans``): without
+        ``zero_copy``, the batches ahead, the one being delivered and the one the consumer still
+        holds while it asks for the next (a loop's variable); none with ``zero_copy``
+        (its batches hold their slots until the next one is asked for) or ``trajs_per_batch``
+        (which copies frames anyway)."""
+        if self.zero_copy or self.trajs_per_batch is not None:
+            return 0
+        return self.prefetch + 2
+
+    @property
     def num_slots(self) -> int:
         """Batch slots per worker: ``prefetch`` ahead, one being filled, and with ``zero_copy``
-        one more held by the consumer."""
-        return max(2, self.prefetch + 1) + (1 if self.zero_copy else 0)
+        one more held by the consumer, or the slots that may be lent (:attr:`lend_slots`)."""
+        return max(2, self.prefetch + 1) + (1 if self.zero_copy else self.lend_slots)
 
     def _check_slot_memory(self) -> None:
         """The batch slots of every worker must fit in this machine's memory."""

@@ -220,6 +220,12 @@ class SlotLayout:
     def nbytes(self) -> int:
         return self.slot_nbytes * self.num_slots
 
+    def slot_array(self, buffer: Any, slot: int) -> np.ndarray:
+        """A new uint8 array over slot ``slot``'s bytes of ``buffer``: the views that
+        :meth:`views` makes of it (``mapped_slot=True``) refer to it, so its reference count says
+        whether any of them is still alive."""
+        return np.frombuffer(buffer, np.uint8, count=self.slot_nbytes, offset=slot * self.slot_nbytes)
+
     def views(self, buffer: Any, slot: int, worker: int | None = None, *, mapped_slot: bool = False) -> dict[Key, np.ndarray]:
         """numpy views of one slot over ``buffer`` (a mapping of the segment, or with
         ``mapped_slot`` of that slot alone): worker ``worker``'s rows, or every worker's."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import traceback
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -21,7 +22,7 @@ import torch
 from . import events as ev
 from ._errors import BrokenWorkerError
 from ._layout import Key, SlotLayout
-from ._pool import ChunkPool
+from ._pool import ChunkPool, Loans
 
 if TYPE_CHECKING:  # pragma: no cover
     from tensordict import TensorDict, TensorDictBase
@@ -101,6 +102,7 @@ class Producer:
         self.drained = anyio.Event()  # background collection: every batch is in the replay buffer
         # copies of batches go into reused memory: slots ahead, one held, and a few the consumer keeps
         self.pool = ChunkPool(run.config.num_slots + 2)
+        self.loans = Loans(run.config.lend_slots, run.config.workers)
         self.rounds = 0  # worker batches collected (what total_frames counts)
         self.produced = 0  # batches sent into the stream (what demand counts)
 
@@ -147,6 +149,15 @@ class Producer:
 
     # -- the loop -------------------------------------------------------------------------------
     async def produce(self) -> None:
+        try:
+            await self._produce()
+        except BaseException as exc:
+            # its frames hold batches, and a lent batch keeps its slots mapped: a traceback that a
+            # reference cycle keeps (a cancellation's) must not keep them until the next gc run
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    async def _produce(self) -> None:
         run = self.run
         c = run.config
         total = c.total_batches
@@ -183,13 +194,11 @@ class Producer:
                 w = self.arrivals.popleft()
                 parts = [(w, w.take())]
             t_assemble = time.perf_counter()
-            batch, lease = await self._assemble([(w, slot) for w, (slot, _) in parts])
-            if lease is None:  # copied: the slots go back to the workers now
-                for w, (slot, _) in parts:
-                    try:
-                        await w.release(slot)
-                    except BrokenWorkerError:
-                        pass  # it died under us: its own task reports it
+            for returned in self.loans.returned():  # lent batches the consumer has dropped
+                await _release(returned)
+            batch, lease, lent = await self._assemble([(w, slot) for w, (slot, _) in parts])
+            if lease is None and not lent:  # copied: the slots go back to the workers now
+                await _release([(w, slot) for w, (slot, _) in parts])
             if sync:
                 self.arrivals.clear()
             self.rounds += 1
@@ -216,6 +225,7 @@ class Producer:
                 last = n == len(outputs) - 1  # (a lease goes with the last delivery of a round)
                 await self._deliver(batch, first_index + self.produced, infos if n == 0 else [], infos, timing,
                                     lease if last else None)
+            batch = outputs = lease = None  # type: ignore[assignment]  # (lent: the consumer's alone now)
             if recorder is not None and (path := recorder.after(self.rounds - 1 - profiling.recorder_from)) is not None:
                 profiling.recorder = None
                 await profiling.trace_ready(None, path)
@@ -246,10 +256,12 @@ class Producer:
         )
         await run.send.send((batch, counted, frames, lease))
 
-    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> tuple["TensorDict", Lease | None]:
-        """The batch of ``parts`` (worker, slot): a copy, or with ``zero_copy`` a view on the slots
-        and the lease that holds them. Every worker's rows of a slot sit side by side, so a sync
-        batch whose parts share a slot index (the usual case) is one array per key."""
+    async def _assemble(self, parts: list[tuple["WorkerHandle", int]]) -> tuple["TensorDict", Lease | None, bool]:
+        """The batch of ``parts`` (worker, slot), the lease that holds its slots (``zero_copy``)
+        and whether it is lent (``_pool.Loans``: its slots go back once nothing refers to it).
+        Without ``zero_copy`` the batch is lent where a slot can be spared, else a copy. Every
+        worker's rows of a slot sit side by side, so a sync batch whose parts share a slot index
+        (the usual case) is one array per key."""
         run = self.run
         layout: SlotLayout = run.layout  # type: ignore[assignment]
         zero_copy = run.config.zero_copy
@@ -266,7 +278,15 @@ class Producer:
             views = [run.slot_views[slot]]
         else:
             views = [w.slots.np_views[s] for w, s in parts]
-        share = bool(zero_copy) and len(views) == 1
+        lent = not zero_copy and len(views) == 1 and self.loans.can_lend(parts)
+        if lent:
+            array = layout.slot_array(run.segment[1], slot)  # type: ignore[index]
+            views = [layout.views(array, slot, None if whole else parts[0][0].index, mapped_slot=True)]
+            self.loans.lend(array, parts)
+            del array  # (only the loan and the views refer to it)
+        share = (bool(zero_copy) or lent) and len(views) == 1
+        if not share:
+            run.stats.copied += 1
         E = layout.num_envs * len(parts)
         T = layout.frames_per_env
         chunk = None if share else self.pool.take(out_nbytes(layout, E))
@@ -300,9 +320,17 @@ class Producer:
             batch = await anyio.to_thread.run_sync(build)
         else:
             batch = build()
-        if not share:
-            return batch, None
-        return batch, Lease(parts, mappings)
+        if not share or lent:
+            return batch, None, lent
+        return batch, Lease(parts, mappings), False
+
+
+async def _release(parts: list[tuple["WorkerHandle", int]]) -> None:
+    for w, slot in parts:
+        try:
+            await w.release(slot)
+        except BrokenWorkerError:
+            pass  # it died under us: its own task reports it
 
 
 __all__ = ["Lease", "Producer", "frames_in", "whole_slots"]

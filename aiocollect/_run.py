@@ -16,6 +16,7 @@ import enum
 import inspect
 import sys
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 import anyio
@@ -201,7 +202,7 @@ class Run:
             try:
                 await wait_shielded(self.done)
             finally:
-                self.recv.close()
+                self.close_stream()
                 self.state = State.CLOSED
             if not self.error_seen and self.error is not None:
                 self.error_seen = True
@@ -214,7 +215,7 @@ class Run:
             self.state = State.CLOSED
             return
         if self.loop_gone and self.done.is_set():  # its loop ended (and stopped the workers)
-            self.recv.close()
+            self.close_stream()
             self.state = State.CLOSED
             return
         self.check_loop()
@@ -226,7 +227,7 @@ class Run:
             if self.lease is not None:
                 self.lease.protect()  # (the workers are gone: nothing to hand back)
                 self.lease = None
-            self.recv.close()
+            self.close_stream()
             self.state = State.CLOSED
         if self.error is not None and not self.error_seen:
             self.error_seen = True
@@ -239,7 +240,7 @@ class Run:
         self.abandoned = True
         if self.task is None or self.done.is_set():
             if self.task is not None:
-                self.recv.close()
+                self.close_stream()
             return
         self.closing = True
         loop = self.loop
@@ -304,6 +305,16 @@ class Run:
             except (BrokenWorkerError, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # it died under us: its own task reports it
 
+    def close_stream(self) -> None:
+        """Close the consumer's side of the stream, dropping the batches still in it: nobody will
+        receive them, and a lent batch would keep its slots' mapping alive."""
+        while True:
+            try:
+                self.recv.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self.recv.close()
+
     def raise_end(self) -> None:
         if self.error is not None:
             self.error_seen = True
@@ -356,9 +367,14 @@ class Run:
                 result = sink.extend(batch)
                 if inspect.isawaitable(result):
                     await result
+            except BaseException as exc:
+                # (its frames hold the batch: a lent one would stay mapped while the error is kept)
+                traceback.clear_frames(exc.__traceback__)
+                raise
             finally:
                 self.writing.set()
                 self.writing = None
+                del batch
 
     # -- weights --------------------------------------------------------------------------------
     async def update_weights(self, updates: Mapping[str, Any], worker_ids: Any, wait: bool) -> int:
@@ -459,7 +475,7 @@ class Run:
                 self.bar = None
             self.send.close()
             if self.abandoned:  # no consumer is left to receive anything
-                self.recv.close()
+                self.close_stream()
             if self.state is not State.CLOSED:
                 self.state = State.STOPPED
             self.sync.notify()

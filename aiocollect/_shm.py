@@ -4,6 +4,7 @@ descriptor are gone."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -22,3 +23,12 @@ def allocate(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def discard(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """Free the memory of ``length`` bytes at ``offset`` (page-aligned) of a segment nothing will
+    read again, though the segment stays mapped (best effort: where the kernel cannot, the memory
+    is freed with the segment)."""
+    if length > 0:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            mapping.madvise(mmap.MADV_REMOVE, offset, length)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from . import _shm
 from ._errors import AiocollectError, SpecError
 from ._launcher import get_launcher
 from ._layout import SlotLayout, frame_leaves
@@ -54,6 +55,18 @@ async def import_in_thread(module: str) -> None:
         raise failure[0]
 
 
+def _free_unlent_slots(run: "Run") -> None:
+    """The workers are gone, and batches lent to the consumer keep the slots' segment mapped for
+    as long as it keeps them: free the memory of every other slot, and of the heartbeats, now."""
+    layout = run.layout
+    lent = {slot for loan in run.producer.loans.out for _, slot in loan.parts}  # type: ignore[union-attr]
+    mapping = run.segment[1]  # type: ignore[index]
+    for slot in range(layout.num_slots):  # type: ignore[union-attr]
+        if slot not in lent:
+            _shm.discard(mapping, slot * layout.slot_nbytes, layout.slot_nbytes)  # type: ignore[union-attr]
+    _shm.discard(mapping, layout.nbytes, len(mapping) - layout.nbytes)  # type: ignore[union-attr]
+
+
 async def stop_workers(run: "Run") -> None:
     """Stop every worker (killed after shutdown_timeout), release the slots' segment and the
     weight stores; also when the event loop is going away (nothing awaited then)."""
@@ -71,11 +84,14 @@ async def stop_workers(run: "Run") -> None:
     finally:
         run.sync.close()
         if run.segment is not None:  # (the mapping stays while batch views use it)
+            if run.producer is not None and run.producer.loans.out:
+                _free_unlent_slots(run)
             os.close(run.segment[0])
             run.segment = None
         run.slot_views = []
         if run.producer is not None:
             run.producer.pool.clear()
+            run.producer.loans.clear()  # (a lent batch the consumer keeps keeps its mapping itself)
 
 
 async def launch_workers(run: "Run") -> None:

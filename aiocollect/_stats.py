@@ -32,6 +32,11 @@ class CollectorStats:
     out of shared memory, assembling and post-processing)."""
     restarts: int = 0
     """Workers replaced after a failure (``on_worker_failure="restart"``)."""
+    batches_copied: int = 0
+    """Batches copied out of shared memory. The others were lent (views on the workers' slots,
+    which go back to the workers once nothing refers to the batch) or, with ``zero_copy``,
+    views held until the next batch is asked for. Batches are copied when every slot that may be
+    lent is held by batches the consumer keeps, and for ``trajs_per_batch``."""
 
 
 class Stats:
@@ -41,6 +46,7 @@ class Stats:
         self.t0: float | None = None
         self.episodes = 0
         self.restarts = 0
+        self.copied = 0
         self.returns: deque[float] = deque(maxlen=100)
         self.timing = {"env": 0.0, "policy": 0.0, "wait": 0.0, "delivery": 0.0}
 
@@ -73,4 +79,5 @@ class Stats:
             mean_return=self.mean_return,
             timing=dict(self.timing),
             restarts=self.restarts,
+            batches_copied=self.copied,
         )

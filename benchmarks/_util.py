@@ -333,6 +333,136 @@ def sigterm_as_interrupt() -> Iterator[None]:
 # the limit: independent processes, no communication
 
 
+class LimitPool:
+    """The limit's processes for a sliced comparison (``with LimitPool(...) as limit``): started
+    like :func:`run_limit_processes`'s, then stopped (SIGSTOP) and resumed (SIGCONT) so that they
+    take turns with the setup measured, a few seconds each, on the same cores. A drift of the
+    machine's speed (this VM's moves by 10-50% within a minute) then hits both alike, where
+    setups measured one after the other each see a different machine. Each process adds to a
+    counter of its own (no lock that a stopped process could hold)."""
+
+    def __init__(self, target: Any, args_of: Any, workers: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.counters = [ctx.RawValue("q", 0) for _ in range(workers)]
+        self._readies = [ctx.Event() for _ in range(workers)]
+        self._go, self._stop = ctx.Event(), ctx.Event()
+        self.procs = [
+            ctx.Process(target=target, args=(*args_of(rank), self.counters[rank], self._readies[rank], self._go,
+                                              self._stop), name=f"limit-{rank}", daemon=True)
+            for rank in range(workers)
+        ]
+
+    def __enter__(self) -> "LimitPool":
+        try:
+            with child_signals():
+                for p in self.procs:
+                    p.start()
+            deadline = time.monotonic() + 120.0
+            for p, ready in zip(self.procs, self._readies):
+                while not ready.wait(0.1):
+                    if not p.is_alive():
+                        raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{p.name} not ready after 120 s")
+            self._go.set()  # (before they are stopped: setting it waits for the sleepers to wake)
+            self.pause()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def frames(self) -> int:
+        return sum(c.value for c in self.counters)
+
+    def pause(self) -> None:
+        signal_all([p.pid for p in self.procs], signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                raise RuntimeError(f"{p.name} died (exit code {p.exitcode})")
+        signal_all([p.pid for p in self.procs], signal.SIGCONT)
+
+    def __exit__(self, *exc: Any) -> None:
+        signal_all([p.pid for p in self.procs], signal.SIGCONT)  # (first: setting an event waits for them)
+        self._stop.set()
+        self._go.set()
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def signal_all(pids: Any, sig: int) -> None:
+    for pid in pids:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+@dataclass
+class Slices:
+    """Frames and seconds of each turn of a sliced comparison: the limit's and the setup's."""
+
+    limit: list[tuple[int, float]] = field(default_factory=list)
+    setup: list[tuple[int, float]] = field(default_factory=list)
+
+    def fps(self, which: str) -> float:
+        turns = getattr(self, which)
+        return sum(f for f, _ in turns) / sum(s for _, s in turns)
+
+    def ratio(self) -> float:
+        """Setup over limit, over all turns."""
+        return self.fps("setup") / self.fps("limit")
+
+    def pair_ratios(self) -> list[float]:
+        return [(f / s) / (lf / ls) for (f, s), (lf, ls) in zip(self.setup, self.limit)]
+
+    def limit_drift(self) -> float:
+        """How much the limit's first and last thirds of turns differ (a fraction of the larger)."""
+        n = max(len(self.limit) // 3, 1)
+        first, last = self.limit[:n], self.limit[-n:]
+        a = sum(f for f, _ in first) / sum(s for _, s in first)
+        b = sum(f for f, _ in last) / sum(s for _, s in last)
+        return abs(a - b) / max(a, b)
+
+
+async def alternate(limit: LimitPool, setup_pids: Any, delivered: Any, turns: int, turn_s: float) -> Slices:
+    """Take turns: the limit runs while the setup's processes are stopped, then the setup while the
+    limit's are, ``turns`` times each, ``turn_s`` seconds per turn. ``delivered()`` counts the
+    frames the setup has delivered so far; its frames are those delivered from the start of its
+    first turn to the end of its last (what is in flight at a turn's end is delivered in the next
+    one, so its turns are summed, not taken one by one: the count is off by at most the batches
+    in flight, once)."""
+    import anyio
+
+    out = Slices()
+    signal_all(setup_pids, signal.SIGSTOP)
+    counts: list[int] = []  # delivered at the start of each of the setup's turns, and at the end
+    seconds: list[float] = []
+    try:
+        for _ in range(turns):
+            f0, t0 = limit.frames(), time.perf_counter()
+            limit.resume()
+            await anyio.sleep(turn_s)
+            limit.pause()
+            out.limit.append((limit.frames() - f0, time.perf_counter() - t0))
+            counts.append(delivered())
+            t0 = time.perf_counter()
+            signal_all(setup_pids, signal.SIGCONT)
+            await anyio.sleep(turn_s)
+            signal_all(setup_pids, signal.SIGSTOP)
+            seconds.append(time.perf_counter() - t0)
+        await anyio.sleep(0.3)  # batches completed in the last turn reach the consumer
+        counts.append(delivered())
+    finally:
+        signal_all(setup_pids, signal.SIGCONT)
+    out.setup = [(b - a, s) for a, b, s in zip(counts, counts[1:], seconds)]
+    return out
+
+
 def run_limit_processes(
     target: Any, args_of: Any, workers: int, warmup_s: float, seconds: float, name: str
 ) -> Result:

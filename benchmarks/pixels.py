@@ -16,20 +16,31 @@ Setups, one after the other in this process tree, the limit first and last:
 * **gymnasium AsyncVectorEnv** (``shared_memory=True``, one process per env, as gymnasium does it):
   a hand-written loop that stores each step's observation, action, reward and flags into a
   preallocated batch (the same number of frames per batch as aiocollect).
-* **aiocollect**, ``delivery="sync"`` and ``"async"``, copying each batch out of shared memory (the
-  default), and with ``zero_copy=True`` (batches are views on the workers' shared memory, valid until
-  the next batch is requested): ``async for batch in collector`` under anyio + uvloop.
+* **aiocollect**, ``delivery="sync"`` and ``"async"``, with the default batches (yours to keep: each
+  is lent, a view on a slot of the workers' shared memory that goes back to them once the consumer
+  drops the batch, or a copy where no slot can be spared), and with ``zero_copy=True`` (views valid
+  until the next batch is requested): ``async for batch in collector`` under anyio + uvloop. The
+  loop drops each batch when it takes the next, as a training loop does.
 
 For each: frames/s, the ratio to the limit (the mean of its first and last runs), the ratio to the
 limit runs just before and after the setup ("adjacent": this VM's speed drifts by 10-20% within
 minutes, with nothing else running in it), the cores this benchmark's processes used, the per-core
 ratio (frames per CPU-second relative to the adjacent limits'), the CPU busy elsewhere, and the bytes
 moved per frame: what the workers write into shared memory and what the consumer's process copies
-out of it (from the batch layout; the limit moves none).
+out of it (the batches it copied, from ``stats().batches_copied``; the limit moves none).
+
+With ``--sliced`` each aiocollect setup instead takes turns with the limit on the same cores
+(``--turns`` turns of ``--turn-seconds`` each; while one side runs, the other's processes are
+stopped with SIGSTOP): a drift of this VM's speed then hits both alike, where setups measured one
+after the other each see a different machine. It prints, per setup, both rates over all turns,
+their ratio, the spread of the per-turn ratios, how much the limit drifted (its first third of
+turns against its last) and how many batches were copied. gymnasium's ``AsyncVectorEnv`` is not
+measured in this mode.
 
 Run (needs the ``atari`` extra, ale-py and OpenCV: ``bash scripts/run.sh pixels`` installs it)::
 
     .venv/bin/python benchmarks/pixels.py [--obs raw 84x84x4] [--seconds 6] [--repeat 2]
+    .venv/bin/python benchmarks/pixels.py --sliced [--turns 8] [--turn-seconds 2]
 
 Every process the benchmark starts is stopped before it exits.
 """
@@ -52,8 +63,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file
 from _util import (  # noqa: E402
     MP_HELPERS,
+    LimitPool,
     Meter,
     Result,
+    Slices,
+    alternate,
     become_subreaper,
     child_signals,
     log,
@@ -181,9 +195,12 @@ async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
         frames = layout.workers * layout.num_envs * layout.frames_per_env  # in one slot
         written = layout.slot_nbytes
         batch_bytes = sum(t.numel() * t.element_size() for t in batch.values(True, True))
+        stats = collector.stats()
     return {
         "shm_write_per_frame": written / frames,
-        "copy_out_per_frame": 0 if zero_copy else batch_bytes / batch.numel(),
+        # what the batches copied out of shared memory moved, per frame delivered (a lent batch,
+        # the default where a slot can be spared, and a zero_copy one move nothing)
+        "copy_out_per_frame": stats.batches_copied * batch_bytes / batch.numel() / max(stats.batches, 1),
     }
 
 
@@ -195,6 +212,83 @@ def run_aiocollect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
     result = meter.result(f"aiocollect {delivery}" + (" zero_copy" if zero_copy else ""))
     result.extra = extra
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# --sliced: each setup takes turns with the limit on the same cores
+
+
+async def _collect_sliced(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool, limit: LimitPool) -> tuple[Slices, dict]:
+    import anyio
+
+    from aiocollect import Collector
+
+    delivered = 0
+    async with Collector(
+        functools.partial(make_pong, obs), None, frames_per_batch=args.frames_per_batch, total_frames=-1,
+        num_workers=args.workers, envs_per_worker=args.envs_per_worker, delivery=delivery, seed=SEED,
+        zero_copy=zero_copy, **({} if args.prefetch is None else {"prefetch": args.prefetch}),
+    ) as collector:
+
+        async def consume() -> None:
+            nonlocal delivered
+            async for batch in collector:  # (the batch is dropped when the next one comes, as in training)
+                delivered += batch.numel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            while delivered == 0:
+                await anyio.sleep(0.05)
+            await anyio.sleep(args.warmup)  # the setup alone; the limit's processes are stopped
+            slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
+            stats = collector.stats()
+            tg.cancel_scope.cancel()
+    return slices, {"batches_copied": stats.batches_copied, "batches": stats.batches}
+
+
+def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
+    """Each aiocollect setup takes turns with the limit (``--turns`` turns of ``--turn-seconds``
+    each, the other side stopped), so that both see the same machine."""
+    import anyio
+
+    setups = [(d, z) for z in ((False, True) if not args.copy_only else (False,)) for d in ("sync", "async")]
+    rows = []
+    with LimitPool(_limit_worker, lambda rank: (rank, args.envs_per_worker, obs), args.workers) as limit:
+        keep = frozenset(p.pid for p in limit.procs)
+        for delivery, zero_copy in setups:
+            name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
+            log(f"[{obs}] {name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
+            try:
+                slices, extra = anyio.run(_collect_sliced, args, obs, delivery, zero_copy, limit,
+                                          backend_options={"use_uvloop": True})
+            except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
+                log(f"  -> FAILED: {_describe(exc)}")
+                continue
+            finally:
+                with contextlib.suppress(Exception):
+                    from aiocollect import shutdown_launcher
+
+                    shutdown_launcher()
+                reap(name, baseline=keep)
+            pairs = sorted(slices.pair_ratios())
+            log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: "
+                f"{slices.ratio():.2f}")
+            rows.append((name, slices, pairs, extra))
+    log("")
+    log(f"{obs}: {args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch; each setup "
+        f"took {args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
+    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
+    log(f"{'setup':<28}" + "".join(f"  {h:>{len(h)}}" for h in head))
+    out = {}
+    for name, slices, pairs, extra in rows:
+        cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
+                 f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
+                 f"{extra['batches_copied']} of {extra['batches']}")
+        log(f"{name:<28}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
+        out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
+                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), **extra}
+    log("limit drift: how much the limit's first and last thirds of turns differ")
+    return {"obs": obs, "sliced": True, "results": out}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,6 +417,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="run everything this many times (default 1)")
     p.add_argument("--skip-gymnasium", action="store_true", help="skip gymnasium's AsyncVectorEnv")
     p.add_argument("--copy-only", action="store_true", help="skip the zero_copy setups")
+    p.add_argument("--sliced", action="store_true",
+                   help="each aiocollect setup takes turns with the limit, the other side stopped (SIGSTOP), "
+                        "instead of setups one after the other (gymnasium's AsyncVectorEnv is not measured)")
+    p.add_argument("--turns", type=int, default=8, help="--sliced: turns of each side per setup (default 8)")
+    p.add_argument("--turn-seconds", type=float, default=2.0, help="--sliced: seconds per turn (default 2)")
     p.add_argument("--prefetch", type=int, help="the collectors' prefetch (default: the collector's default)")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="measure the limit only first and last (default: also between setups)")
@@ -341,15 +440,17 @@ def main(args: argparse.Namespace) -> int:
         log("ale-py is not installed: `pip install 'aiocollect[atari]'` (or `bash scripts/run.sh pixels`, which installs it)")
         return 2
     become_subreaper()
+    timing = (f"{args.turns} turns of {args.turn_seconds:g} s per setup, taking turns with the limit" if args.sliced
+              else f"{args.seconds:g} s per setup")
     log(f"aiocollect pixel benchmark: ALE/Pong-v5, random policy, {args.workers} workers x {args.envs_per_worker} envs, "
-        f"{args.frames_per_batch} frames/batch, {args.seconds:g} s per setup after {args.warmup:g} s warm-up")  # fmt: skip
+        f"{args.frames_per_batch} frames/batch, {timing}, after {args.warmup:g} s warm-up")  # fmt: skip
     log(machine_line(machine()))
     runs = []
     for k in range(args.repeat):
         for obs in args.obs:
             if args.repeat > 1:
                 log(f"\n=== run {k + 1}/{args.repeat}")
-            runs.append(run_format(args, obs))
+            runs.append(run_sliced(args, obs) if args.sliced else run_format(args, obs))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -24,15 +24,25 @@ window ("collector process": of the process that runs the collector, in it), "pe
 per CPU-second relative to the limit's, "busy elsewhere" the CPU time of the rest of the machine: on a
 noisy machine read the per-core ratio.
 
+The limit counts transitions: the step after a sub-env's episode ended is its reset in the vector
+env's next-step autoreset, which the collector does apart (``reset`` of the ended rows) and does
+not count either.
+
+With ``--sliced`` (CartPole only) each aiocollect vector setup instead takes turns with the limit
+on the same cores (``--turns`` turns of ``--turn-seconds`` each, the other side stopped with
+SIGSTOP), so that a drift of the machine's speed hits both alike; see ``benchmarks/pixels.py``.
+
 Run::
 
     .venv/bin/python benchmarks/vector_envs.py [--seconds 4] [--num-envs 256] [--json PATH]
+    .venv/bin/python benchmarks/vector_envs.py --sliced [--turns 8] [--turn-seconds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -45,8 +55,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py beside this file
-from _util import (
-    ArgmaxMLP,  # noqa: E402
+from _util import (  # noqa: E402
+    ArgmaxMLP,
+    LimitPool,
     Meter,
     Result,
     become_subreaper,
@@ -55,6 +66,8 @@ from _util import (
     machine_line,
     reap,
     run_limit_processes,
+    Slices,
+    alternate,
     sigterm_as_interrupt,
 )
 
@@ -121,12 +134,14 @@ def _limit_worker(kind: str, rank: int, num_envs: int, state: dict, counter: Any
         obs, _ = env.reset()
     ready.set()
     go.wait()
+    resetting = 0  # next-step autoreset: the step after an episode's end is its reset, not a transition
     try:
         with torch.no_grad():
             while not stop.is_set():
                 actions = policy(torch.from_numpy(obs)).numpy()
-                obs, _, _, _, _ = env.step(actions)  # (the env resets ended sub-envs itself)
-                counter.value += num_envs
+                obs, _, term, trunc, _ = env.step(actions)  # (the env resets ended sub-envs itself)
+                counter.value += num_envs - resetting  # transitions, as a collector's batch counts them
+                resetting = int((term | trunc).sum()) if kind == "cartpole" else 0
     finally:
         env.close()
 
@@ -160,6 +175,74 @@ def run_aiocollect(name: str, make: Any, policy: nn.Module, args: argparse.Names
     anyio.run(_collect, name, make, policy, args, envs_per_worker, rows, meter, zero_copy,
               backend_options={"use_uvloop": True})
     return meter.result(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# --sliced: each setup takes turns with the limit on the same cores
+
+
+async def _collect_sliced(make: Any, policy: nn.Module, args: argparse.Namespace, rows: int, zero_copy: bool,
+                          limit: LimitPool) -> tuple[Slices, int]:
+    import anyio
+
+    from aiocollect import Collector
+
+    delivered = 0
+    async with Collector(make, policy, frames_per_batch=args.workers * rows * args.steps, num_workers=args.workers,
+                         seed=SEED, zero_copy=zero_copy) as collector:
+
+        async def consume() -> None:
+            nonlocal delivered
+            async for batch in collector:
+                delivered += batch.numel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            while delivered == 0:
+                await anyio.sleep(0.05)
+            await anyio.sleep(args.warmup)
+            slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
+            copied = collector.stats().batches_copied
+            tg.cancel_scope.cancel()
+    return slices, copied
+
+
+def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
+    import anyio
+
+    n = args.num_envs
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    rows = []
+    with LimitPool(_limit_worker, lambda rank: ("cartpole", rank, n, state), args.workers) as limit:
+        keep = frozenset(p.pid for p in limit.procs)
+        for zero_copy in (False, True):
+            name = f"aiocollect vector{' zero_copy' if zero_copy else ''} ({args.workers} x 1 x {n})"
+            log(f"{name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
+            try:
+                slices, copied = anyio.run(_collect_sliced, functools.partial(make_cartpole, n), policy, args, n,
+                                           zero_copy, limit, backend_options={"use_uvloop": True})
+            except Exception as exc:  # noqa: BLE001 - a failed setup is reported, the others still run
+                log(f"  -> failed: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                reap(name, baseline=keep)
+            log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: {slices.ratio():.2f}")
+            rows.append((name, slices, copied))
+    log(f"\nCartPole-v1, vector entry point, {n} sub-envs per worker, 4-64-2 MLP (argmax); each setup took "
+        f"{args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
+    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
+    log(f"{'setup':<40}" + "".join(f"  {h}" for h in head))
+    out = {}
+    for name, slices, copied in rows:
+        pairs = sorted(slices.pair_ratios())
+        cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
+                 f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
+                 str(copied))
+        log(f"{name:<40}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
+        out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
+                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), "batches_copied": copied}
+    log("limit drift: how much the limit's first and last thirds of turns differ")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,6 +304,14 @@ def main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"machine": machine(), "aiocollect": aiocollect.__version__}
     n = args.num_envs
     policy = make_policy(ArgmaxMLP)
+    if args.sliced:
+        out["cartpole_sliced"] = run_sliced(args, policy)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        with contextlib.suppress(Exception):
+            aiocollect.shutdown_launcher()
+        return 0
     limits = [_guarded("limit cartpole", run_limit, "cartpole", args, n, policy)]
     vec = _guarded("aiocollect vector", run_aiocollect, f"aiocollect vector ({args.workers} x 1 x {n})",
                    lambda: make_cartpole(n), policy, args, 1, n)
@@ -265,6 +356,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="steps of each env row in a batch (default 64)")
     p.add_argument("--pong-envs", type=int, default=8, help="EnvPool Pong envs per worker (default 8)")
     p.add_argument("--skip-envpool", action="store_true", help="skip EnvPool's Pong")
+    p.add_argument("--sliced", action="store_true",
+                   help="CartPole only: each aiocollect vector setup takes turns with the limit, the other side "
+                        "stopped (SIGSTOP), instead of setups one after the other")
+    p.add_argument("--turns", type=int, default=8, help="--sliced: turns of each side per setup (default 8)")
+    p.add_argument("--turn-seconds", type=float, default=2.0, help="--sliced: seconds per turn (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p.parse_args(argv)
 

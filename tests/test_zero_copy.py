@@ -1,5 +1,6 @@
 """zero_copy=True: batches are views on the workers' shared memory, valid until the consumer asks
-for the next batch. Complete programs run to their end on real CartPole envs and real worker
+for the next batch; and the default batches, lent without a copy while slots can be spared (views
+handed back once nothing refers to them), else copied. Complete programs run to their end on real CartPole envs and real worker
 processes, with the data checked against a copying collector with the same seed; what a view
 shows after it was handed back; zero_copy="debug" crashing a program that reads a handed-back
 batch; the options it combines with and those it refuses."""
@@ -189,10 +190,10 @@ def test_zero_copy_refuses_trajs_per_batch_and_says_why():
         Collector("CartPole-v1", frames_per_batch=8, zero_copy=True, trajs_per_batch=2)
 
 
-async def test_copied_batches_reuse_dropped_memory_and_never_touch_a_batch_still_held():
-    """The default (copying) delivery copies into memory of earlier batches once the consumer has
-    dropped them (no page faults per batch), and never into a batch the consumer still holds,
-    even through a single view of one of its tensors."""
+async def test_default_batches_are_lent_without_a_copy_and_never_touched_while_held():
+    """By default a batch is lent (a view on its slot, which goes back to the workers once nothing
+    refers to it): a loop that drops its batches gets them all without a copy, and a batch the
+    consumer keeps, even through a single view of one of its tensors, is never overwritten."""
     async with Collector(CountingEnv, frames_per_batch=16, total_frames=16 * 30, num_workers=2,
                          envs_per_worker=2) as c:
         kept = await c.collect()
@@ -202,10 +203,103 @@ async def test_copied_batches_reuse_dropped_memory_and_never_touch_a_batch_still
         async for batch in c:
             check_counting(batch)
             del batch
-        pool = c._run.producer.pool
-        assert pool.reused >= 20, f"only {pool.reused} of 28 batches reused dropped memory"
+        loans = c._run.producer.loans
+        assert loans.lent >= 20, f"only {loans.lent} of 30 batches were lent"
+        assert c.stats().batches_copied == 30 - loans.lent
     assert (kept == expected).all(), "a batch the consumer holds was overwritten"
     assert (view == expected_view).all(), "a view on a held batch was overwritten"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["local", "process"])
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_training_loop_that_keeps_some_batches_finds_them_unchanged_at_its_end(delivery, num_workers):
+    """The canonical loop with the default batches: train on each, update the weights, keep every
+    fourth batch as it came (no clone), run to the natural end. The dropped batches were lent (no
+    copy); the kept ones equal what they were when they arrived, though their slots' neighbours
+    were written over and over, and the data obey CartPole's dynamics."""
+    torch.manual_seed(0)
+    policy = Greedy()
+    kept, expected = [], []
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=128, total_frames=128 * 16, seed=3,
+                             num_workers=num_workers, envs_per_worker=2, delivery=delivery) as c:
+            n = 0
+            async for batch in c:
+                check_batch(batch)
+                if n % 4 == 0:
+                    kept.append(batch)
+                    expected.append(batch.clone())
+                n += 1
+                train(policy)
+                await c.update_weights(policy)
+            stats = c.stats()
+            lent = c._run.producer.loans.lent
+    assert n == 16 and stats.batches == 16
+    assert lent >= 8 and lent + stats.batches_copied == 16, (lent, stats.batches_copied)
+    for k, e in zip(kept, expected):
+        assert (k == e).all(), "a kept batch changed after it was delivered"
+        check_batch(k)
+
+
+async def test_a_lent_batch_kept_after_close_stays_valid_and_pins_only_its_own_slot():
+    """A lent batch outlives its collector (it is the consumer's); while it is kept, the memory of
+    every other slot is freed at the close, and once it is dropped nothing is left mapped."""
+    import os
+
+    from test_lifecycle import _aiocollect_mappings
+
+    async with Collector(CountingEnv, frames_per_batch=2 * 2 * 512, total_frames=-1, num_workers=2,
+                         envs_per_worker=2) as c:
+        for _ in range(12):  # every slot has been written
+            kept = await c.collect()
+        expected = kept.clone()
+        slot_nbytes, num_slots = c._run.layout.slot_nbytes, c.config.num_slots
+        assert c.stats().batches_copied == 0
+    assert (kept == expected).all()
+    check_counting(kept)
+    [line] = _aiocollect_mappings()  # the slots' segment, kept mapped by the batch
+    inode = line.split()[4]
+    resident = None
+    for n in os.listdir("/proc/self/fd"):  # the mapping's own descriptor of the memfd
+        try:
+            st = os.stat(f"/proc/self/fd/{n}")
+        except OSError:
+            continue  # (listdir's own, closed since)
+        if st.st_ino == int(inode):
+            resident = st.st_blocks * 512
+    assert resident is not None
+    assert resident <= 2 * slot_nbytes, (
+        f"{resident} bytes of the segment still in memory; one slot is {slot_nbytes} bytes, all {num_slots} are "
+        f"{num_slots * slot_nbytes}"
+    )
+    del kept
+    assert _aiocollect_mappings() == []
+
+
+async def test_batches_kept_beyond_the_loans_are_copies_into_reused_memory_and_loans_come_back():
+    """A consumer that keeps more batches than slots can be lent gets copies (the workers never
+    wait for its memory); copies of dropped batches go into memory of earlier ones (no page
+    faults per batch); once the kept batches are dropped, their slots are lent again."""
+    async with Collector(CountingEnv, frames_per_batch=16, total_frames=16 * 40, num_workers=2,
+                         envs_per_worker=2, prefetch=1) as c:
+        capacity = c.config.lend_slots
+        assert capacity == 3
+        kept = [await c.collect() for _ in range(capacity + 3)]
+        expected = [b.clone() for b in kept]
+        assert c.stats().batches_copied >= 3  # no loan left for the last kept ones
+        for _ in range(15):
+            batch = await c.collect()
+            check_counting(batch)
+            del batch
+        pool = c._run.producer.pool
+        assert pool.reused >= 10, f"only {pool.reused} of 15 copies reused dropped memory"
+        assert all((b == e).all() for b, e in zip(kept, expected)), "a batch the consumer holds was overwritten"
+        lent = c._run.producer.loans.lent
+        del kept, expected
+        async for batch in c:
+            check_counting(batch)
+            del batch
+        assert c._run.producer.loans.lent >= lent + 10, "the slots of dropped batches were not lent again"
 
 
 def _cartpole_vec():
