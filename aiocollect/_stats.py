@@ -59,7 +59,7 @@ class Stats:
             for key, value in info.timing.items():
                 timing[key] += value
             self.episodes += len(info.episodes)
-            self.returns.extend(info.episodes.ret)
+            self.returns.extend(info.episodes.last_returns(self.returns.maxlen or 0))
         for key, value in timing.items():
             self.timing[key] += value
         return timing

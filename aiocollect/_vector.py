@@ -489,7 +489,7 @@ class VectorRollout(Rollout):
         if not self._ends:
             return NO_EPISODES
         rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
-        return Episodes(self.env_ids[rows].tolist(), ids.tolist(), rets.tolist(), lens.tolist(), terms.tolist())
+        return Episodes(self.env_ids[rows], ids, rets.astype(np.float64, copy=False), lens, terms)
 
     def _after_ends(
         self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],

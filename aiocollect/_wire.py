@@ -36,6 +36,8 @@ import socket
 import struct
 from typing import Any, Iterator
 
+import numpy as np
+
 _frozen = dataclasses.dataclass(frozen=True, slots=True)
 
 
@@ -52,14 +54,15 @@ class Spec:
 
 @_frozen
 class Episodes:
-    """The episodes that ended in one batch, in the order they ended, as columns (a vector env
-    ends about a thousand episodes per batch: no object per episode on this side of the wire)."""
+    """The episodes that ended in one batch, in the order they ended, as columns: lists, or
+    numpy arrays from a vector env's worker (which ends about a thousand episodes per batch: no
+    object per episode on either side of the wire, and arrays pickle as their bytes)."""
 
-    env: list[int]  # the global env (row) index
-    traj_id: list[int]
-    ret: list[float]
-    length: list[int]
-    terminated: list[bool]
+    env: "list[int] | np.ndarray"  # the global env (row) index
+    traj_id: "list[int] | np.ndarray"
+    ret: "list[float] | np.ndarray"
+    length: "list[int] | np.ndarray"
+    terminated: "list[bool] | np.ndarray"
 
     @classmethod
     def from_rows(cls, rows: list[tuple[int, int, float, int, bool]]) -> "Episodes":
@@ -71,8 +74,14 @@ class Episodes:
         return len(self.env)
 
     def __iter__(self) -> Iterator[tuple[int, int, float, int, bool]]:
-        """``(env, traj_id, ret, length, terminated)`` per episode."""
-        return zip(self.env, self.traj_id, self.ret, self.length, self.terminated)
+        """``(env, traj_id, ret, length, terminated)`` per episode, as Python numbers."""
+        return zip(*(c.tolist() if isinstance(c, np.ndarray) else c for c in (
+            self.env, self.traj_id, self.ret, self.length, self.terminated)))
+
+    def last_returns(self, n: int) -> list[float]:
+        """The returns of the last ``n`` episodes, as Python floats."""
+        ret = self.ret[-n:] if n else self.ret[:0]
+        return ret.tolist() if isinstance(ret, np.ndarray) else [float(r) for r in ret]
 
 
 NO_EPISODES = Episodes([], [], [], [], [])
