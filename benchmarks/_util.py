@@ -429,6 +429,25 @@ class Slices:
         return abs(a - b) / max(a, b)
 
 
+def report_slices(rows: list[tuple[str, Slices, int, int]], width: int) -> dict[str, Any]:
+    """Print one line per setup of a sliced comparison, ``(name, slices, batches copied, batches
+    delivered)``, under a header; returns the figures by name."""
+    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
+    log(f"{'setup':<{width}}" + "".join(f"  {h}" for h in head))
+    out = {}
+    for name, slices, copied, batches in rows:
+        pairs = sorted(slices.pair_ratios())
+        cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
+                 f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
+                 f"{copied} of {batches}")
+        log(f"{name:<{width}}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
+        out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
+                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), "batches_copied": copied,
+                     "batches": batches}
+    log("limit drift: how much the limit's first and last thirds of turns differ")
+    return out
+
+
 async def alternate(limit: LimitPool, setup_pids: Any, delivered: Any, turns: int, turn_s: float) -> Slices:
     """Take turns: the limit runs while the setup's processes are stopped, then the setup while the
     limit's are, ``turns`` times each, ``turn_s`` seconds per turn. ``delivered()`` counts the

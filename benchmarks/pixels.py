@@ -68,6 +68,7 @@ from _util import (  # noqa: E402
     Result,
     Slices,
     alternate,
+    report_slices,
     become_subreaper,
     child_signals,
     log,
@@ -218,7 +219,8 @@ def run_aiocollect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
 # --sliced: each setup takes turns with the limit on the same cores
 
 
-async def _collect_sliced(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool, limit: LimitPool) -> tuple[Slices, dict]:
+async def _collect_sliced(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool,
+                          limit: LimitPool) -> tuple[Slices, int, int]:
     import anyio
 
     from aiocollect import Collector
@@ -243,7 +245,7 @@ async def _collect_sliced(args: argparse.Namespace, obs: str, delivery: str, zer
             slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
             stats = collector.stats()
             tg.cancel_scope.cancel()
-    return slices, {"batches_copied": stats.batches_copied, "batches": stats.batches}
+    return slices, stats.batches_copied, stats.batches
 
 
 def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
@@ -259,8 +261,8 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
             name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
             log(f"[{obs}] {name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
             try:
-                slices, extra = anyio.run(_collect_sliced, args, obs, delivery, zero_copy, limit,
-                                          backend_options={"use_uvloop": True})
+                slices, copied, batches = anyio.run(_collect_sliced, args, obs, delivery, zero_copy, limit,
+                                                    backend_options={"use_uvloop": True})
             except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
                 log(f"  -> FAILED: {_describe(exc)}")
                 continue
@@ -270,25 +272,13 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
 
                     shutdown_launcher()
                 reap(name, baseline=keep)
-            pairs = sorted(slices.pair_ratios())
             log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: "
                 f"{slices.ratio():.2f}")
-            rows.append((name, slices, pairs, extra))
+            rows.append((name, slices, copied, batches))
     log("")
     log(f"{obs}: {args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch; each setup "
         f"took {args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
-    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
-    log(f"{'setup':<28}" + "".join(f"  {h:>{len(h)}}" for h in head))
-    out = {}
-    for name, slices, pairs, extra in rows:
-        cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
-                 f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
-                 f"{extra['batches_copied']} of {extra['batches']}")
-        log(f"{name:<28}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
-        out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
-                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), **extra}
-    log("limit drift: how much the limit's first and last thirds of turns differ")
-    return {"obs": obs, "sliced": True, "results": out}
+    return {"obs": obs, "sliced": True, "results": report_slices(rows, 28)}
 
 
 # --------------------------------------------------------------------------------------------------

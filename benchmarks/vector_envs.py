@@ -68,6 +68,7 @@ from _util import (  # noqa: E402
     run_limit_processes,
     Slices,
     alternate,
+    report_slices,
     sigterm_as_interrupt,
 )
 
@@ -182,7 +183,7 @@ def run_aiocollect(name: str, make: Any, policy: nn.Module, args: argparse.Names
 
 
 async def _collect_sliced(make: Any, policy: nn.Module, args: argparse.Namespace, rows: int, zero_copy: bool,
-                          limit: LimitPool) -> tuple[Slices, int]:
+                          limit: LimitPool) -> tuple[Slices, int, int]:
     import anyio
 
     from aiocollect import Collector
@@ -202,9 +203,9 @@ async def _collect_sliced(make: Any, policy: nn.Module, args: argparse.Namespace
                 await anyio.sleep(0.05)
             await anyio.sleep(args.warmup)
             slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
-            copied = collector.stats().batches_copied
+            stats = collector.stats()
             tg.cancel_scope.cancel()
-    return slices, copied
+    return slices, stats.batches_copied, stats.batches
 
 
 def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
@@ -219,30 +220,20 @@ def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
             name = f"aiocollect vector{' zero_copy' if zero_copy else ''} ({args.workers} x 1 x {n})"
             log(f"{name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
             try:
-                slices, copied = anyio.run(_collect_sliced, functools.partial(make_cartpole, n), policy, args, n,
-                                           zero_copy, limit, backend_options={"use_uvloop": True})
+                slices, copied, batches = anyio.run(
+                    _collect_sliced, functools.partial(make_cartpole, n), policy, args, n, zero_copy, limit,
+                    backend_options={"use_uvloop": True},
+                )
             except Exception as exc:  # noqa: BLE001 - a failed setup is reported, the others still run
                 log(f"  -> failed: {type(exc).__name__}: {exc}")
                 continue
             finally:
                 reap(name, baseline=keep)
             log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: {slices.ratio():.2f}")
-            rows.append((name, slices, copied))
+            rows.append((name, slices, copied, batches))
     log(f"\nCartPole-v1, vector entry point, {n} sub-envs per worker, 4-64-2 MLP (argmax); each setup took "
         f"{args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
-    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
-    log(f"{'setup':<40}" + "".join(f"  {h}" for h in head))
-    out = {}
-    for name, slices, copied in rows:
-        pairs = sorted(slices.pair_ratios())
-        cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
-                 f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
-                 str(copied))
-        log(f"{name:<40}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
-        out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
-                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), "batches_copied": copied}
-    log("limit drift: how much the limit's first and last thirds of turns differ")
-    return out
+    return report_slices(rows, 40)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,25 +284,10 @@ def _guarded(name: str, fn: Any, *a: Any) -> Result:
         reap(name)
 
 
-def main(args: argparse.Namespace) -> int:
-    become_subreaper()
-    torch.set_num_threads(1)
-    import aiocollect
-
-    log(machine_line(machine()))
-    log(f"cpu cores available: {len(os.sched_getaffinity(0))}; {args.workers} workers; windows of {args.seconds:g} s "
-        f"after {args.warmup:g} s of warm-up; batches of {args.steps} steps of every env row")
-    out: dict[str, Any] = {"machine": machine(), "aiocollect": aiocollect.__version__}
+def run_one_after_another(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
+    """The setups one after the other, the limit first and last; then EnvPool's Pong."""
+    out: dict[str, Any] = {}
     n = args.num_envs
-    policy = make_policy(ArgmaxMLP)
-    if args.sliced:
-        out["cartpole_sliced"] = run_sliced(args, policy)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-        with contextlib.suppress(Exception):
-            aiocollect.shutdown_launcher()
-        return 0
     limits = [_guarded("limit cartpole", run_limit, "cartpole", args, n, policy)]
     vec = _guarded("aiocollect vector", run_aiocollect, f"aiocollect vector ({args.workers} x 1 x {n})",
                    lambda: make_cartpole(n), policy, args, 1, n)
@@ -339,6 +315,23 @@ def main(args: argparse.Namespace) -> int:
                         lambda: make_pong(m), pong_policy, args, 1, m)
         plimits.append(_guarded("limit pong", run_limit, "pong", args, m, pong_policy))
         out["pong"] = _table(f"EnvPool Pong-v5, {m} envs per worker (1 EnvPool thread), linear policy", plimits, [pong])
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    become_subreaper()
+    torch.set_num_threads(1)
+    import aiocollect
+
+    log(machine_line(machine()))
+    log(f"cpu cores available: {len(os.sched_getaffinity(0))}; {args.workers} workers; windows of {args.seconds:g} s "
+        f"after {args.warmup:g} s of warm-up; batches of {args.steps} steps of every env row")
+    out: dict[str, Any] = {"machine": machine(), "aiocollect": aiocollect.__version__}
+    policy = make_policy(ArgmaxMLP)
+    if args.sliced:
+        out["cartpole_sliced"] = run_sliced(args, policy)
+    else:
+        out.update(run_one_after_another(args, policy))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
