@@ -190,7 +190,7 @@ async def _collect_sliced(make: Any, policy: nn.Module, args: argparse.Namespace
 
     delivered = 0
     async with Collector(make, policy, frames_per_batch=args.workers * rows * args.steps, num_workers=args.workers,
-                         seed=SEED, zero_copy=zero_copy) as collector:
+                         seed=SEED, zero_copy=zero_copy, delivery=args.delivery) as collector:
 
         async def consume() -> None:
             nonlocal delivered
@@ -217,7 +217,7 @@ def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
     with LimitPool(_limit_worker, lambda rank: ("cartpole", rank, n, state), args.workers) as limit:
         keep = frozenset(p.pid for p in limit.procs)
         for zero_copy in (False, True):
-            name = f"aiocollect vector{' zero_copy' if zero_copy else ''} ({args.workers} x 1 x {n})"
+            name = f"aiocollect vector {args.delivery}{' zero_copy' if zero_copy else ''} ({args.workers} x 1 x {n})"
             log(f"{name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
             try:
                 slices, copied, batches = anyio.run(
@@ -233,7 +233,7 @@ def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
             rows.append((name, slices, copied, batches))
     log(f"\nCartPole-v1, vector entry point, {n} sub-envs per worker, 4-64-2 MLP (argmax); each setup took "
         f"{args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
-    return report_slices(rows, 40)
+    return report_slices(rows, 46)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sliced", action="store_true",
                    help="CartPole only: each aiocollect vector setup takes turns with the limit, the other side "
                         "stopped (SIGSTOP), instead of setups one after the other")
+    p.add_argument("--delivery", choices=("sync", "async"), default="sync",
+                   help="--sliced: the collectors' delivery (default sync)")
     p.add_argument("--turns", type=int, default=8, help="--sliced: turns of each side per setup (default 8)")
     p.add_argument("--turn-seconds", type=float, default=2.0, help="--sliced: seconds per turn (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
