@@ -48,12 +48,14 @@ class Collector(Service, BlockingMixin):
     policy writes. With ``split_trajs=True`` it is ``[n_traj, max_len]`` with
     ``("collector", "mask")``.
 
-    **What is copied.** Workers write frames in place into preallocated shared-memory slots (two
-    or more per worker, every worker's rows of a slot side by side). When a batch is delivered
-    its tensors are copied out of the slots once (one contiguous copy per key), and the slots go
-    back to the workers: a batch you receive is yours, stays valid after the next one arrives,
-    and may be modified in place. With ``zero_copy=True`` nothing is copied: the batch is a view
-    on the slots, valid until you ask for the next batch (see :class:`CollectorConfig`).
+    **What is copied.** Workers write frames in place into preallocated shared-memory slots
+    (every worker's rows of a slot side by side). A batch you receive is yours: it stays valid
+    after the next one arrives, for as long as you keep it, and may be modified in place. It is
+    lent without a copy while a slot can be spared (views on its slot, which goes back to the
+    workers once nothing refers to the batch any more), else copied out of the slots (one
+    contiguous copy per key); ``stats().batches_copied`` counts the copies. With
+    ``zero_copy=True`` the batch is a view on the slots, valid until you ask for the next batch,
+    kept or not (see :class:`CollectorConfig`).
 
     **Lifecycle.** ``async with Collector(...)`` starts on entry and closes on exit; or ``await
     start()`` / ``await aclose()`` (for notebooks: the collector's own tasks do not belong to the

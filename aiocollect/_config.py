@@ -205,8 +205,11 @@ class CollectorConfig:
     prefetch: int = 2
     """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
     zero_copy: bool | Literal["debug"] = False
-    """Deliver each batch as views on the workers' shared memory instead of a copy (TorchRL's
-    ``return_same_td``, without the reuse of one TensorDict). A batch stays valid until the
+    """Deliver each batch as views on the workers' shared memory that are handed back at the next
+    request, kept or not (TorchRL's ``return_same_td``, without the reuse of one TensorDict).
+    The default (``False``) also lends batches without a copy, while slots can be spared, but
+    hands a slot back only once nothing refers to the batch, and copies when the consumer keeps
+    too many; ``True`` guarantees no copy with one extra slot per worker. A batch stays valid until the
     consumer asks for the next one (the next ``async for`` step or ``collect()``) or the collector
     closes; then its memory goes back to the workers, which write new frames into it. Keep data
     longer by copying it (``batch.clone()``, ``replay_buffer.extend(batch)``). Never write into it.
