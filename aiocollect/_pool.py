@@ -46,40 +46,33 @@ class _Loan:
 class Loans:
     """The slots lent to the consumer as batches, at most ``capacity`` per worker at a time."""
 
-    def __init__(self, capacity: int, workers: int) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.out: list[_Loan] = []
-        self.per_worker = [0] * workers
         self.lent = 0  # batches lent so far
 
     def can_lend(self, parts: Parts) -> bool:
-        return all(self.per_worker[w.index] < self.capacity for w, _ in parts)
+        for w, _ in parts:
+            if sum(1 for loan in self.out for v, _ in loan.parts if v is w) >= self.capacity:
+                return False
+        return True
 
     def lend(self, array: np.ndarray, parts: Parts) -> None:
         """``array``: the slot's own array (:meth:`SlotLayout.slot_array`) that every view of the
         lent batch refers to, and nothing else."""
         self.out.append(_Loan(array, parts))
-        for w, _ in parts:
-            self.per_worker[w.index] += 1
         self.lent += 1
 
     def returned(self) -> list[Parts]:
         """The parts of every loan nothing refers to any more (forgotten here: hand them back)."""
-        back, kept = [], []
-        for loan in self.out:
-            (back if sys.getrefcount(loan.array) == _RETURNED_REFS else kept).append(loan)
-        if not back:
-            return []
-        self.out = kept
-        for loan in back:
-            for w, _ in loan.parts:
-                self.per_worker[w.index] -= 1
+        back = [loan for loan in self.out if sys.getrefcount(loan.array) == _RETURNED_REFS]
+        if back:
+            self.out = [loan for loan in self.out if loan not in back]
         return [loan.parts for loan in back]
 
     def clear(self) -> None:
         """The workers are gone: nothing is handed back any more."""
         self.out = []
-        self.per_worker = [0] * len(self.per_worker)
 
 
 class ChunkPool:

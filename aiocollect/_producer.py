@@ -102,7 +102,7 @@ class Producer:
         self.drained = anyio.Event()  # background collection: every batch is in the replay buffer
         # copies of batches go into reused memory: slots ahead, one held, and a few the consumer keeps
         self.pool = ChunkPool(run.config.num_slots + 2)
-        self.loans = Loans(run.config.lend_slots, run.config.workers)
+        self.loans = Loans(run.config.lend_slots)
         self.rounds = 0  # worker batches collected (what total_frames counts)
         self.produced = 0  # batches sent into the stream (what demand counts)
 
@@ -284,7 +284,7 @@ class Producer:
             views = [layout.views(array, slot, None if whole else parts[0][0].index, mapped_slot=True)]
             self.loans.lend(array, parts)
             del array  # (only the loan and the views refer to it)
-        share = (bool(zero_copy) or lent) and len(views) == 1
+        share = lent or (bool(zero_copy) and len(views) == 1)
         if not share:
             run.stats.copied += 1
         E = layout.num_envs * len(parts)

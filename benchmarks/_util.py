@@ -334,9 +334,11 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 class LimitPool:
-    """The limit's processes for a sliced comparison (``with LimitPool(...) as limit``): started
-    like :func:`run_limit_processes`'s, then stopped (SIGSTOP) and resumed (SIGCONT) so that they
-    take turns with the setup measured, a few seconds each, on the same cores. A drift of the
+    """The limit's processes (``with LimitPool(...) as limit``): ``workers`` "spawn" processes
+    running ``target(*args_of(rank), counter, ready, go, stop)``, started and made ready on
+    entry, then kept stopped (SIGSTOP) until :meth:`resume` (SIGCONT); :meth:`pause` stops them
+    again. In a sliced comparison they take turns with the setup measured, a few seconds each,
+    on the same cores. A drift of the
     machine's speed (this VM's moves by 10-50% within a minute) then hits both alike, where
     setups measured one after the other each see a different machine. Each process adds to a
     counter of its own (no lock that a stopped process could hold)."""
@@ -486,48 +488,21 @@ def run_limit_processes(
     target: Any, args_of: Any, workers: int, warmup_s: float, seconds: float, name: str
 ) -> Result:
     """Start ``workers`` "spawn" processes running ``target(*args_of(rank), counter, ready, go,
-    stop)``: each sets ``ready`` once its envs are made, waits for ``go``, then steps until
-    ``stop``, adding the frames it steps to ``counter`` (a RawValue). fps is the sum over the
-    processes in one common window after ``warmup_s``; CPU use is read over the same window."""
-    ctx = mp.get_context("spawn")
-    counters = [ctx.RawValue("q", 0) for _ in range(workers)]
-    readies = [ctx.Event() for _ in range(workers)]
-    go, stop = ctx.Event(), ctx.Event()
-    procs = [
-        ctx.Process(target=target, args=(*args_of(rank), counters[rank], readies[rank], go, stop),
-                    name=f"limit-{rank}", daemon=True)
-        for rank in range(workers)
-    ]
-    try:
-        with child_signals():
-            for p in procs:
-                p.start()
-        deadline = time.monotonic() + 120.0
-        for p, ready in zip(procs, readies):
-            while not ready.wait(0.1):
-                if not p.is_alive():
-                    raise RuntimeError(f"{p.name} exited with code {p.exitcode} before it was ready")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{p.name} not ready after 120 s")
-        go.set()
+    stop)`` (a :class:`LimitPool`): each sets ``ready`` once its envs are made, waits for ``go``,
+    then steps until ``stop``, adding the frames it steps to ``counter`` (a RawValue). fps is the
+    sum over the processes in one common window after ``warmup_s``; CPU use is read over the same
+    window."""
+    with LimitPool(target, args_of, workers) as limit:
+        limit.resume()
         time.sleep(warmup_s)
         cpu0 = cpu_snapshot()
-        c0, t0 = [c.value for c in counters], time.perf_counter()
+        c0, t0 = [c.value for c in limit.counters], time.perf_counter()
         time.sleep(seconds)
-        c1, t1 = [c.value for c in counters], time.perf_counter()
+        c1, t1 = [c.value for c in limit.counters], time.perf_counter()
         cpu1 = cpu_snapshot()
-        for p in procs:
+        for p in limit.procs:
             if not p.is_alive():
                 raise RuntimeError(f"{p.name} died during the measurement (exit code {p.exitcode})")
-    finally:
-        stop.set()
-        go.set()  # in case we failed before the start
-        for p in procs:
-            if p.pid is not None:
-                p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
     frames = sum(c1) - sum(c0)
     per_proc = [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
     return Result(name, frames / (t1 - t0), frames, t1 - t0, cpu=cpu_usage(cpu0, cpu1),
