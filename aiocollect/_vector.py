@@ -165,6 +165,7 @@ class _Staging:
         self.term = np.zeros((T, E), bool)
         self.trunc = np.zeros((T, E), bool)
         self.done = np.zeros((T, E), bool)  # terminated | truncated (with max_frames_per_traj's cuts)
+        self.sums = np.zeros((T, E), np.float64)  # running sums of the rewards (episode returns)
         # per step: obs, actions, extras, next obs, the obs of the step after (after the last step:
         # ``carried``, the rollout's carried obs), reward, terminated, truncated, done
         self.steps = [
@@ -237,7 +238,7 @@ class VectorRollout(Rollout):
         self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.steps = 0
-        self._ends: list[tuple[np.ndarray, ...]] = []
+        self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
         counters = cfg.traj_counters
         if counters is not None and len(counters) != self.total_rows:
             raise ConfigError(
@@ -255,14 +256,22 @@ class VectorRollout(Rollout):
         # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
         self.cur_traj = traj_k * self.total_rows + self.env_ids
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+        # per row: the reward of its episode before this batch, and the step its episode began at
+        # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
         self.ep_ret = np.zeros(E, np.float64)
-        self.ep_len = np.zeros(E, np.int64)
+        self.ep_start = np.zeros(E, np.int64)
         guard = ActionGuard(
             self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], lambda arrays: arrays,
             check_finite=cfg.check_finite, action_bounds=cfg.action_bounds,
         )
         self.guard = guard if guard.active else None
         self.partial = all(v.partial for v in self.vecs)
+        # the common case of _after_ends, in one call: one next-step vector env writing its reset
+        # rows into the next step's observation itself (gymnasium's CartPole), nothing to check
+        self.reset_in_place = (
+            len(self.vecs) == 1 and self.mode != _SAME and self.single_obs and self.vecs[0].writes_rows
+            and not self.finite_obs
+        )
         if cfg.max_frames_per_traj is not None and not self.partial:
             raise ConfigError(
                 f"max_frames_per_traj={cfg.max_frames_per_traj} needs to reset a sub-env whose episode it truncates, "
@@ -378,12 +387,13 @@ class VectorRollout(Rollout):
         for st, cur in zip(stage.obs, self.cur_obs):
             st[0] = cur
         first_traj = self.cur_traj.copy()
+        first_step, first_start = self.steps, self.ep_start.copy()
         guard = self.guard
         same = self.mode == _SAME
         check_finite = cfg.check_finite
         max_len = cfg.max_frames_per_traj
-        ends: list[tuple[np.ndarray, ...]] = []  # per step with episode ends: rows, ids, returns, lengths, terminated
-        ep_ret, ep_len = self.ep_ret, self.ep_len
+        ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
+        ep_start = self.ep_start
         one = len(vecs) == 1
         # the hot path: one observation leaf of the leaf's dtype and shape, no NaN check: written as is
         fast_obs = self.single_obs and not self.finite_obs
@@ -419,13 +429,11 @@ class VectorRollout(Rollout):
                     rew_t[...] = rew
                     term_t[...] = term
                     trunc_t[...] = trunc
-                    ep_ret += rew
                 else:
                     rows = slice(c * n, (c + 1) * n)
                     rew_t[rows] = rew
                     term_t[rows] = term
                     trunc_t[rows] = trunc
-                    ep_ret[rows] += rew
                 if same and (term.any() or trunc.any()):
                     finals.append((c, info))
                 if fast_obs and type(obs) is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0:
@@ -435,11 +443,10 @@ class VectorRollout(Rollout):
                         nxt[0][c * n : (c + 1) * n] = obs
                 else:
                     self._write_obs(c, obs, nxt, None, "returned by step")
-            ep_len += 1
             ended = env_ended = np.logical_or(term_t, trunc_t, out=done_t)
             cut = None
-            if max_len is not None:
-                cut = ep_len >= max_len
+            if max_len is not None:  # (an episode's length after this step: steps + 1 - its start)
+                cut = ep_start <= self.steps + 1 - max_len
                 cut &= ~env_ended
                 if cut.any():
                     trunc_t |= cut
@@ -456,10 +463,9 @@ class VectorRollout(Rollout):
                 dst[...] = src
             rows = ended.nonzero()[0]
             if len(rows):
-                # (episodes listed once per batch, from these arrays: no Python object per end here)
-                ends.append((rows, self.cur_traj[rows], ep_ret[rows], ep_len[rows], term_t[rows]))
+                ends.append((t, rows))  # (their episodes are worked out once, at the end of the batch)
                 self._after_ends(rows, env_ended, cut, finals, nxt, cur)
-                self._new_trajs(rows)
+                ep_start[rows] = self.steps + 1
             self.steps += 1
             yield
         env_time += clock() - t_env
@@ -478,18 +484,61 @@ class VectorRollout(Rollout):
         views[("next", "truncated")][..., 0] = stage.trunc.T
         views[("collector", "policy_version")][...] = version
         write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
+        self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
+        self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)
         self.batches += 1
-        self._ends = ends
 
     @property
     def episodes(self) -> Episodes:  # type: ignore[override]
         """The episodes that ended in the last batch, in the order they ended, made from the
         arrays kept per step (a 256-sub-env CartPole ends about a thousand episodes per batch: no
         object per episode)."""
-        if not self._ends:
+        if self._ends is None:
             return NO_EPISODES
-        rows, ids, rets, lens, terms = (np.concatenate(parts) for parts in zip(*self._ends))
-        return Episodes(self.env_ids[rows], ids, rets.astype(np.float64, copy=False), lens, terms)
+        rows, ids, rets, lens, terms = self._ends
+        return Episodes(self.env_ids[rows], ids, rets, lens, terms)
+
+    def _tally(
+        self, ends: list[tuple[int, np.ndarray]], stage: _Staging, traj_buf: np.ndarray, first_step: int,
+        first_start: np.ndarray,
+    ) -> tuple[np.ndarray, ...] | None:
+        """At the end of a batch: the episodes that ended in it (``ends``: the rows that ended at
+        each step, in order) as columns -- rows, trajectory ids, returns, lengths, terminated, in the
+        order they ended -- and each row's reward carried into the next batch (:attr:`ep_ret`).
+        Worked out from the batch's rewards with a few whole-batch operations rather than per step:
+        a row's return is the difference of its running sum of rewards (``float64``) at its end and
+        at its previous end in this batch, or, for its first end, that sum plus what it carried in;
+        its length likewise from steps (``first_start``: each row's episode start at the batch's
+        first step, ``first_step``)."""
+        sums = stage.sums  # [T, E]: each row's reward up to each step (a step at a time: faster than np.cumsum here)
+        np.copyto(sums, stage.rew)
+        for t in range(1, len(sums)):
+            np.add(sums[t - 1], sums[t], out=sums[t])
+        carried = self.ep_ret
+        if not ends:
+            carried += sums[-1]
+            return None
+        ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
+        rows = np.concatenate([r for _, r in ends])
+        order = np.lexsort((ts, rows))  # by row, then by step
+        r, t = rows[order], ts[order]
+        first = np.empty(len(r), bool)  # the row's first end in this batch
+        first[0] = True
+        np.not_equal(r[1:], r[:-1], out=first[1:])
+        prev = np.empty_like(t)  # the step of the row's previous end (first ends: none)
+        prev[0] = 0
+        prev[1:] = t[:-1]
+        rets = sums[t, r] - sums[prev, r]
+        lens = t - prev
+        rets[first] = sums[t[first], r[first]] + carried[r[first]]
+        lens[first] = first_step + t[first] + 1 - first_start[r[first]]
+        carried += sums[-1]
+        last = np.append(first[1:], True)  # the row's last end in this batch
+        r_last = r[last]
+        carried[r_last] = sums[-1, r_last] - sums[t[last], r_last]
+        back = np.empty_like(order)  # back into the order the episodes ended in
+        back[order] = np.arange(len(order))
+        return rows, traj_buf[rows, ts], rets[back], lens[back], stage.term[ts, rows]
 
     def _after_ends(
         self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
@@ -499,8 +548,13 @@ class VectorRollout(Rollout):
         by ``max_frames_per_traj``), and ``cur`` (the next step's obs) holds what the step
         returned: make ``next_bufs`` (this step's next obs) hold their true final observation and
         ``cur`` their reset observation."""
-        n = self.n
         hb = self.heartbeat
+        if self.reset_in_place:
+            if hb is not None:
+                hb.begin(RESET, int(self.env_ids[rows[0]]))
+            self.vecs[0].reset_rows(rows, cur[0])
+            return
+        n = self.n
         for c, info in finals:  # same-step: the step returned the reset obs, the final one is in info
             final_obs = info.get("final_obs") if isinstance(info, dict) else None
             if final_obs is None:
@@ -545,7 +599,11 @@ class VectorRollout(Rollout):
         return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
 
     def _new_trajs(self, rows: np.ndarray) -> None:
-        """The rows ``rows`` start a new trajectory."""
+        """The rows ``rows`` start a new trajectory (between batches)."""
         self.cur_traj[rows] += self.total_rows
         self.ep_ret[rows] = 0.0
-        self.ep_len[rows] = 0
+        self.ep_start[rows] = self.steps
+
+    def _step_text(self, i: int, taken: bool = False) -> str:
+        # (during a step: the episode's count of it is the same whether it is taken or not)
+        return f"step {self.steps + 1} (step {self.steps + 1 - int(self.ep_start[i])} of its episode)"

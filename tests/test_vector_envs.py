@@ -64,6 +64,23 @@ def check_continuity(batch) -> None:
     assert bool((ids[:, 1:][done[:, :-1]] != ids[:, :-1][done[:, :-1]]).all()), "an episode end kept its trajectory id"
 
 
+def check_episode_events(batches, events) -> None:
+    """Each EpisodeEnded is an episode of the batches: its return is the sum of the rewards of its
+    trajectory id's frames (across batch boundaries), its length their number; and every episode
+    that ended in the batches has its event."""
+    rewards: dict[int, list[float]] = {}
+    ended = set()
+    for b in batches:
+        ids, rew = b["collector", "traj_ids"].flatten(), b["next", "reward"][..., 0].flatten()
+        for i, r in zip(ids.tolist(), rew.tolist()):
+            rewards.setdefault(i, []).append(r)
+        ended.update(b["collector", "traj_ids"][b["next", "done"][..., 0]].tolist())
+    assert sorted(e.traj_id for e in events) == sorted(ended)
+    for e in events:
+        assert e.length == len(rewards[e.traj_id]), f"episode {e.traj_id}: length {e.length}"
+        assert e.ret == pytest.approx(sum(rewards[e.traj_id]), abs=1e-9), f"episode {e.traj_id}: return {e.ret}"
+
+
 # -- layout -------------------------------------------------------------------------------------------
 
 
@@ -127,6 +144,7 @@ async def test_counting_vector_env_gives_the_frames_of_single_envs_in_every_auto
     for e in events:
         assert e.length == LENGTHS[e.env % n] and e.terminated == (e.env % n != n - 1)
         assert e.worker == e.env // 6
+    check_episode_events(batches, events)
     assert len(state["traj_counters"]) == 12
 
 
@@ -199,6 +217,12 @@ async def test_async_delivery_batches_hold_one_workers_sub_envs():
 async def test_options_behave_as_with_single_envs():
     """max_frames_per_traj truncates (and resets) a sub-env, init_random_frames, reset_at_each_iter,
     trajs_per_batch and split_trajs work with vector envs."""
+    for mode in (SAME, NEXT):
+        events: list[EpisodeEnded] = []
+        cut, _ = await collect_all(counting(mode, lengths=(50, 2)), frames_per_batch=4 * 10, total_frames=4 * 10 * 3,
+                                   num_workers=1, envs_per_worker=2, max_frames_per_traj=4, seed=0, events=events)
+        check_episode_events(cut, events)
+        assert {e.length for e in events} == {2, 4} and {e.terminated for e in events} == {True, False}
     batches, _ = await collect_all(counting(SAME, lengths=(50, 2)), frames_per_batch=4 * 10, total_frames=4 * 10 * 2,
                                    num_workers=1, envs_per_worker=2, max_frames_per_traj=4, seed=0)
     for b in batches:
