@@ -178,8 +178,11 @@ class Collector(Service, BlockingMixin):
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
-            needs = PolicySpec("random" if policy is None and policy_factory is None else
-                               ("factory" if policy is None else classify(policy)[0])).needs
+            if inference == "server" or (policy is None and policy_factory is None):
+                kind = "server" if inference == "server" else "random"  # (no torch in the workers)
+            else:
+                kind = "factory" if policy is None else classify(policy)[0]
+            needs = PolicySpec(kind).needs
             get_launcher().ensure_started(needs)
 
     # -- public state -----------------------------------------------------------------------------

@@ -177,8 +177,11 @@ class CollectorConfig:
     delivery: Literal["sync", "async"] = "sync"
     """``"sync"``: each batch holds frames from every worker, ordered by worker. ``"async"``: each
     batch is the first worker batch ready."""
-    inference: Literal["worker"] = "worker"
-    """Where the policy runs: ``"worker"`` (a replica in each worker, on CPU)."""
+    inference: Literal["worker", "server"] = "worker"
+    """Where the policy runs: ``"worker"``, a replica in each worker (on CPU, one torch thread
+    each); ``"server"``, the policy object itself in this process, one batched forward pass over
+    the envs of every worker that waits for actions (workers step envs only and never import
+    torch). See ``docs/inference.md``."""
     create_env_kwargs: dict | None = None
     """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``)."""
     policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None
@@ -274,16 +277,17 @@ class CollectorConfig:
         _positive_int("num_workers", self.num_workers, allow_zero=True)
         _check_worker_count(self.num_workers)
         _positive_int("envs_per_worker", self.envs_per_worker)
-        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker'", "traj_format": "'pad' or 'cat'",
+        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker' or 'server'", "traj_format": "'pad' or 'cat'",
                            "on_worker_failure": "'raise' or 'restart'"})
         if self.delivery not in ("sync", "async"):
             raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
-        if self.inference != "worker":
-            raise ConfigError(
-                f"inference={self.inference!r} is not available in this version; use inference='worker' "
-                f"(the policy runs in each worker)"
-            )
+        if self.inference not in ("worker", "server"):
+            raise ConfigError(f"inference={self.inference!r} must be 'worker' or 'server'")
         check_policy_args(self.policy, self.policy_factory)
+        if self.inference == "server":
+            from ._server import check_server_config
+
+            check_server_config(self)
         factory = self.policy_factory
         if isinstance(factory, (list, tuple)):
             if len(factory) != self.workers:

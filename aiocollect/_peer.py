@@ -54,6 +54,10 @@ class Peer:
         if now < self._next_tick:
             return
         self._next_tick = now + _TICK
+        self.drain()
+
+    def drain(self) -> None:
+        """Hand each message waiting now to :meth:`handle`; a closed socket raises ``_Stop``."""
         while True:
             try:
                 if not _wire.message_waiting(self.sock):

@@ -27,8 +27,9 @@ class PolicySpec:
     """What a worker needs to rebuild the policy: picklable, no torch objects outside ``payload``.
 
     kind: ``"random"`` (sample the action space), ``"module"`` (a callable on tensors, mapped from
-    ``in_keys`` to ``out_keys``), ``"tensordict"`` (a callable taking and returning a TensorDict)
-    or ``"factory"`` (``payload`` builds one of the others in the worker).
+    ``in_keys`` to ``out_keys``), ``"tensordict"`` (a callable taking and returning a TensorDict),
+    ``"factory"`` (``payload`` builds one of the others in the worker) or ``"server"`` (the
+    collector's inference server acts: :class:`~aiocollect._remote.RemoteRunner`).
     """
 
     kind: str
@@ -40,7 +41,7 @@ class PolicySpec:
     @property
     def needs(self) -> tuple[str, ...]:
         """Modules a worker imports before running it (imported once, in the launcher)."""
-        if self.kind == "random":
+        if self.kind in ("random", "server"):
             return ()
         if self.kind == "tensordict":
             return ("torch", "tensordict")
@@ -123,6 +124,7 @@ class RandomRunner:
 
     uses_torch = False
     model = None  # no weights to synchronise
+    remote = False
 
     def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
         self.spaces = action_spaces
@@ -179,6 +181,7 @@ class _TorchRunner:
     """Common part of the torch runners: output checks and conversion."""
 
     uses_torch = True
+    remote = False
 
     def __init__(self, act_space: spaces.Space, act_leaves: list[Leaf], obs_leaves: list[Leaf], num_envs: int) -> None:
         self.act_space = act_space
@@ -412,6 +415,10 @@ def build_runner(
     kind, payload, in_keys, out_keys = spec.kind, None, spec.in_keys, spec.out_keys
     if kind == "random":
         return RandomRunner(action_spaces, act_leaves)
+    if kind == "server":
+        from ._remote import RemoteRunner
+
+        return RemoteRunner(EnvActions(act_space, act_leaves), num_envs)
     if local_policy is not None:
         kind, payload, in_keys, out_keys = classify(local_policy)
     elif kind == "factory":

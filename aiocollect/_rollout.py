@@ -123,7 +123,7 @@ class Rollout:
         """The policy's runner for ``num_envs`` rows (its torch seed comes after the seeds of all
         ``total_envs`` envs), the random runner, and the weight reader."""
         cfg = self.cfg
-        if cfg.policy.kind != "random" and local_policy is None:
+        if cfg.policy.kind not in ("random", "server") and local_policy is None:
             import torch
 
             # one intra-op thread per worker: workers are the parallelism, not torch's pool; and
@@ -152,8 +152,18 @@ class Rollout:
 
     @property
     def version(self) -> int:
-        """Of the weights the policy has now (0: those it was built with)."""
+        """Of the weights the policy has now (0: those it was built with); with server
+        inference, of the server's policy at its last answer."""
+        if self.runner.remote:
+            return self.runner.version
         return 0 if self.weights is None else self.weights.version
+
+    def connect_server(self, layout: Any, mapping: Any, req_fd: int, resp_fd: int, sock: Any, drain: Any) -> None:
+        """Server inference: the server's segment and this worker's eventfds (see
+        :mod:`aiocollect._remote`); the policy's extra outputs are the server's."""
+        self.runner.connect(layout, mapping, self.cfg.worker, req_fd, resp_fd, sock)
+        self.runner.on_socket = drain
+        self.extra_leaves = list(layout.extras)
 
     def _seeds(self) -> list[int | None]:
         cfg = self.cfg
@@ -167,7 +177,11 @@ class Rollout:
 
     def spec(self) -> dict[str, Any]:
         """What the collector needs to lay out the batch (compared across workers)."""
-        return {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves, "weights": None if self.weights is None else self.weights.layout}
+        spec = {"obs": self.obs_leaves, "act": self.act_leaves, "extras": self.extra_leaves,
+                "weights": None if self.weights is None else self.weights.layout}
+        if self.runner.remote:  # the server builds the policy's runner for this action space
+            spec["act_space"] = self.act_space
+        return spec
 
     def add_store(self, store: Any) -> None:
         """A weight store to read at batch boundaries (the shared one, or this worker's own)."""
@@ -256,7 +270,8 @@ class Rollout:
         rew_buf = views[("next", "reward")]
         term_buf, trunc_buf = views[("next", "terminated")], views[("next", "truncated")]
         traj_buf = views[("collector", "traj_ids")]
-        views[("collector", "policy_version")][...] = version
+        version_buf = views[("collector", "policy_version")]
+        version_buf[...] = version
         for buf, cur in zip(obs_bufs, self.cur_obs):
             buf[:, 0] = cur
         first_traj = self.cur_traj.copy()
@@ -289,6 +304,8 @@ class Rollout:
             policy_time += t_env - t_policy
             for buf, arr in zip(act_bufs, act_arrays):
                 buf[:, t] = arr
+            if runner.remote:  # the version of the server's forward pass for this step
+                version_buf[:, t] = runner.version
             if guard is not None and runner is not self.random_runner:
                 env_actions = guard.apply(act_arrays, env_actions, self._action_step)
             if extra_bufs:
@@ -370,4 +387,7 @@ class Rollout:
         return self.traj_k.tolist()
 
     def close(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.remote:
+            runner.close()
         close_envs(self.envs)

@@ -42,7 +42,7 @@ from ._stats import Stats
 from ._startup import import_in_thread, launch_workers, stop_workers
 from ._supervisor import RestartBudget, supervise, watchdog
 from ._systask import spawn_system_task
-from ._weightsync import WeightSync
+from ._weightsync import WeightSync, check_worker_ids
 from ._workers import WorkerHandle
 from ._wire import BatchInfo
 
@@ -114,6 +114,7 @@ class Run:
         self.error: BaseException | None = None
         self.error_seen = False
         self.pending_error: BaseException | None = None  # a worker failed: raised after its batches
+        self.server: Any = None  # inference="server": the run's InferenceServer
         self.requested = 0
         self.workers: list[WorkerHandle] = []
         self.workers_ready = False
@@ -392,9 +393,11 @@ class Run:
                     f"no worker is left to update"
                 ) from self.error
             # total_frames reached: nothing will collect again, so nothing is waited for
-            sync.targets(worker_ids, self.config.workers)
+            self._targets(worker_ids)
             return sync.bump()
-        targets = sync.targets(worker_ids, self.config.workers)
+        targets = self._targets(worker_ids)
+        if self.server is not None:
+            return await self._update_server(updates, targets)
         version = await sync.publish(updates, targets)
         if wait and not await sync.wait_applied(version, targets, self.collecting):
             if self.error is not None:
@@ -402,6 +405,31 @@ class Run:
             if self.state is State.RUNNING or self.finished:
                 return version  # total_frames reached meanwhile: the rest will not collect again
             raise CollectorClosedError(f"the collector was closed before the workers applied version {version}")
+        return version
+
+    def _targets(self, worker_ids: Any) -> list[int]:
+        if self.config.inference == "server":
+            targets = check_worker_ids(worker_ids, self.config.workers)
+            if len(targets) != self.config.workers:
+                raise ConfigError(
+                    "inference='server' runs one policy for every worker: update_weights() cannot target some "
+                    "workers (worker_ids); leave worker_ids=None"
+                )
+            return targets
+        return self.sync.targets(worker_ids, self.config.workers)
+
+    async def _update_server(self, updates: Mapping[str, Any], targets: list[int]) -> int:
+        """Server inference: the new weights are the server's at once (one policy for all)."""
+        sync = self.sync
+        t0 = time.perf_counter()
+        version = self.server.update(updates)
+        sync.version = version
+        ids = tuple(updates)
+        await self.emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+        for w in targets:
+            sync.acked[w] = version
+            await self.emit(ev.WeightsApplied, version=version, worker=w, latency=time.perf_counter() - t0)
+        sync.notify()
         return version
 
     def collecting(self) -> bool:
@@ -448,6 +476,8 @@ class Run:
                         tg.start_soon(self._drain_into_sink)
                     if self.config.step_timeout is not None:
                         tg.start_soon(watchdog, self, self.config.step_timeout)
+                    if self.server is not None:
+                        tg.start_soon(self.server.watch)
                     await self.stop.wait()
                     tg.cancel_scope.cancel()
             except cancelled:

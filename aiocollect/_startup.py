@@ -83,6 +83,9 @@ async def stop_workers(run: "Run") -> None:
         raise
     finally:
         run.sync.close()
+        if run.server is not None:  # (after the workers: none waits for an answer now)
+            run.server.stop()
+            run.server = None
         if run.segment is not None:  # (the mapping stays while batch views use it)
             if run.producer is not None and run.producer.loans.out:
                 _free_unlent_slots(run)
@@ -128,7 +131,10 @@ async def launch_workers(run: "Run") -> None:
                 f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
                 f"must have the same spaces and every worker's policy the same outputs"
             )
-    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], specs[0]["extras"])
+    extras = specs[0]["extras"]
+    if c.inference == "server":
+        extras = start_server(run, specs[0])
+    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras)
     T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
     run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
     store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
@@ -142,6 +148,8 @@ async def launch_workers(run: "Run") -> None:
             run.workers, run.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
         )
     run.slot_views = whole_slots(run.layout, run.segment[1])
+    if run.server is not None:
+        run.server.start()
     run.workers_ready = True
     run.profiling.start()
     if c.progress:
@@ -150,9 +158,28 @@ async def launch_workers(run: "Run") -> None:
         run.bar = make_bar(c.total_frames, run.frames)
 
 
+def start_server(run: "Run", spec: dict) -> list:
+    """Server inference: the server for the workers' spaces (the policy built here from
+    ``policy_factory`` if there is no ``policy``), its shared memory and each worker's link to
+    it. Returns the policy's extra outputs (part of the batch layout)."""
+    from ._server import InferenceServer
+
+    c = run.config
+    policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
+    server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type)
+    run.server = server
+    extras = server.probe()
+    server.allocate(extras)
+    for w in run.workers:
+        w.server_link = server.link(w.index)  # type: ignore[attr-defined]
+    return extras
+
+
 def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
     """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
     c = run.config
+    if c.inference == "server":  # the workers only step envs: the policy stays here
+        return PolicySpec("server", exploration_type=c.exploration_type)
     factory = c.factory_for(worker or 0)
     try:
         return describe(c.policy, factory, c.exploration_type)

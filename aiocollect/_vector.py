@@ -388,6 +388,7 @@ class VectorRollout(Rollout):
             st[0] = cur
         first_traj = self.cur_traj.copy()
         first_step, first_start = self.steps, self.ep_start.copy()
+        versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         guard = self.guard
         same = self.mode == _SAME
         check_finite = cfg.check_finite
@@ -411,6 +412,8 @@ class VectorRollout(Rollout):
             _, act_arrays, extras = runner.act(obs_t)
             t_env = clock()
             policy_time += t_env - t_policy
+            if runner.remote:  # the version of the server's forward pass for this step
+                versions[t] = runner.version
             for dst, arr in zip(act_t, act_arrays):
                 dst[...] = arr
             env_arrays = act_arrays
@@ -482,7 +485,7 @@ class VectorRollout(Rollout):
         views[("next", "reward")][..., 0] = stage.rew.T
         views[("next", "terminated")][..., 0] = stage.term.T
         views[("next", "truncated")][..., 0] = stage.trunc.T
-        views[("collector", "policy_version")][...] = version
+        views[("collector", "policy_version")][...] = versions
         write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
         self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
         self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)

@@ -135,6 +135,7 @@ class Slots:
     weight_layout: Any  # the shared weight store's layout, or None
     free: list[int]
     heartbeat: bool  # a step_timeout: keep a heartbeat, dump the stack on SIGUSR1
+    server: Any = None  # inference="server": the server's ServerLayout (its 3 fds come last)
 
 
 @_frozen

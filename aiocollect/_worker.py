@@ -76,9 +76,15 @@ class Worker(Peer):
             raise RuntimeError(f"aiocollect worker: expected {kind.__name__}, got {msg!r}")
         return msg
 
-    def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int]) -> Any:
-        """Map the slots (and the heartbeat areas after them, one per worker); take the weight store."""
+    def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int], server: Any = None) -> Any:
+        """Map the slots (and the heartbeat areas after them, one per worker); take the weight
+        store; with server inference connect to the server (its segment, request and response
+        eventfds: the last three fds, the eventfds kept by the rollout's runner)."""
         try:
+            if server is not None:
+                seg, req, resp = fds[-3:]
+                del fds[-2:]  # (the segment's fd is closed with the others once mapped)
+                self.rollout.connect_server(server, mmap.mmap(seg, server.nbytes), req, resp, self.sock, self.drain)
             mm = mmap.mmap(fds[0], layout.nbytes + layout.workers * _heartbeat.NBYTES)
             if weight_layout is not None:
                 from ._weights import map_store
@@ -105,7 +111,7 @@ class Worker(Peer):
         if not isinstance(slots, Slots):  # pragma: no cover - protocol error
             raise RuntimeError(f"aiocollect worker: expected Slots, got {slots!r}")
         layout = slots.layout
-        mm = self._map(layout, slots.weight_layout, slots.heartbeat, fds)
+        mm = self._map(layout, slots.weight_layout, slots.heartbeat, fds, slots.server)
         views = [layout.views(mm, s, cfg.worker) for s in range(layout.num_slots)]
         self.free.extend(slots.free)
         if cfg.profile is not None:

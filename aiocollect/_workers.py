@@ -134,6 +134,7 @@ class ProcessWorker(WorkerHandle):
         self.weight_layout: Any = None
         self.store_fds: tuple[int, ...] = ()  # the weight stores' memfds (kept by WeightSync)
         self.watch = False
+        self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
         self.hung: BaseException | None = None  # set by the watchdog before it kills the process
         self.own_store: Any = None
 
@@ -161,8 +162,9 @@ class ProcessWorker(WorkerHandle):
 
     async def give_slots(self, free: list[int]) -> None:
         assert self.proc is not None and self.fd is not None
+        server, server_fds = self.server_link if self.server_link is not None else (None, ())
         await self.proc.send(
-            Slots(self.slots.layout, self.weight_layout, free, self.watch), (self.fd, *self.store_fds)
+            Slots(self.slots.layout, self.weight_layout, free, self.watch, server), (self.fd, *self.store_fds, *server_fds)
         )
 
     # -- producer interface ---------------------------------------------------------------------

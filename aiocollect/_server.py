@@ -1,0 +1,292 @@
+"""Server inference (``inference="server"``), the collector's side: :class:`InferenceServer` runs
+the user's own policy object on the observations of many workers at once (the protocol and the
+worker's side are in :mod:`aiocollect._remote`).
+
+**Where it runs.** The forward passes run in a thread of their own, not as a coroutine on the
+user's event loop: a step of the server is a wait on every worker's request eventfd
+(``epoll``, outside the GIL), one forward pass (torch releases the GIL in its kernels) and the
+copies of observations and actions. As a coroutine each of those passes would hold the user's
+loop (a CartPole MLP over 64 envs takes ~0.1 ms, a Nature-CNN over 8 Atari frames ~2 ms, once
+per step of the envs: hundreds of times a second), and every step would cost two trips through
+the loop's selector. In a thread the loop only shares the GIL with it, between kernels.
+
+**Weights.** The policy is the user's object, not a copy: the server's forward passes see the
+weights as they are. :meth:`InferenceServer.update` is what ``update_weights`` does here:
+weights given as another module or a state dict are loaded into the policy under the server's
+lock (no forward pass sees them half-loaded), and the version goes up; every frame carries the
+version of the forward pass that chose its action. Changing the policy's weights in place
+elsewhere (an optimizer's ``step()``) is not guarded: a forward pass may run during it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from typing import Any
+
+import numpy as np
+
+from . import _shm
+from ._errors import ConfigError
+from ._layout import Leaf
+from ._remote import ACTIONS_READY, SERVER_STOPPED, ServerLayout
+
+_FLAGS = os.EFD_CLOEXEC | os.EFD_NONBLOCK
+
+SERVE_IN = "thread"  # or "loop": benchmarks/inference.py --serve-in measures both (docs/inference.md)
+
+
+class InferenceServer:
+    """Serves one run's workers (``workers`` seats of ``rows`` env rows each). Made once the
+    workers reported their spaces; :meth:`probe` finds the policy's extra outputs (they are part
+    of the batch layout), :meth:`start` starts the thread, :meth:`stop` ends it and wakes every
+    waiting worker."""
+
+    def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str) -> None:
+        from ._policy import PolicySpec, build_runner
+
+        self.policy = policy
+        self.workers, self.rows = workers, rows
+        self.obs_leaves: list[Leaf] = spec["obs"]
+        self.act_leaves: list[Leaf] = spec["act"]
+        self.act_space = spec["act_space"]
+        self.exploration_type = exploration_type
+        spec_ = PolicySpec("local", exploration_type=exploration_type)
+        self._build = lambda n: _served(build_runner(  # a runner per number of rows served at once
+            spec_, self.act_space, self.act_leaves, self.obs_leaves, n, [], policy
+        ))
+        self._runners: dict[int, Any] = {}
+        self._extra_keys: list[Any] = []
+        self.version = 0
+        self.forward_passes = 0
+        self.rows_served = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()  # held by each forward pass and by weight loads
+        self.layout: ServerLayout | None = None
+        self.segment: tuple[int, Any] | None = None
+        self.req_fds: list[int] = []
+        self.resp_fds: list[int] = []
+        self._stop_fd = -1
+        self.failed_fd = -1  # readable once the policy failed (the run's task waits on it)
+        self._thread: threading.Thread | None = None
+        self._poller: Any = None
+        self.in_loop = False
+
+    def _runner(self, n: int) -> Any:
+        runner = self._runners.get(n)
+        if runner is None:
+            runner = self._runners[n] = self._build(n)
+            if hasattr(runner, "extra_keys"):  # the outputs found by probe()
+                runner.extra_keys = list(self._extra_keys)
+        return runner
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def probe(self) -> list[Leaf]:
+        """The policy's extra outputs (``sample_log_prob``, ``logits``, values ...) per env row,
+        from one forward pass over zero observations of one worker's rows (as a worker probes its
+        own policy); the policy's errors surface here, before anything starts."""
+        zeros = [np.zeros((self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+        import torch
+
+        runner = self._build(self.rows)
+        with torch.no_grad():
+            extras = list(runner.probe(zeros))
+        self._extra_keys = [leaf.key for leaf in extras]
+        self._runners[self.rows] = runner
+        return extras
+
+    def allocate(self, extras: list[Leaf]) -> None:
+        """The shared segment and the eventfds (every worker's, kept for replacements)."""
+        self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.workers, self.rows)
+        self.segment = _shm.allocate(self.layout.nbytes, f"aiocollect-{os.getpid()}-server")
+        self.obs, self.act, self.extras, self.versions = self.layout.arrays(self.segment[1])
+        self.req_fds = [os.eventfd(0, _FLAGS) for _ in range(self.workers)]
+        self.resp_fds = [os.eventfd(0, _FLAGS) for _ in range(self.workers)]
+        self._stop_fd = os.eventfd(0, _FLAGS)
+        self.failed_fd = os.eventfd(0, _FLAGS)
+
+    def link(self, worker: int) -> tuple[ServerLayout, tuple[int, int, int]]:
+        """What worker ``worker`` is given (its duplicates of the fds travel with its slots): the
+        layout, and the segment's, its request's and its response's descriptors."""
+        assert self.layout is not None and self.segment is not None
+        # a replacement starts afresh: no request or answer of its predecessor is left
+        for fd in (self.req_fds[worker], self.resp_fds[worker]):
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                pass
+        return self.layout, (self.segment[0], self.req_fds[worker], self.resp_fds[worker])
+
+    def start(self) -> None:
+        """Start serving: in a thread of its own (``SERVE_IN="thread"``, the default), or as
+        the run's task on the event loop (``"loop"``, kept to measure the choice against)."""
+        self._poller = select.epoll()
+        for fd in self.req_fds:
+            self._poller.register(fd, select.EPOLLIN)
+        self._poller.register(self._stop_fd, select.EPOLLIN)
+        self._by_fd = {fd: w for w, fd in enumerate(self.req_fds)}
+        self.in_loop = SERVE_IN == "loop"
+        if not self.in_loop:
+            self._thread = threading.Thread(target=self._serve, name="aiocollect inference server", daemon=True)
+            self._thread.start()
+
+    # -- serving --------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        import torch
+
+        try:
+            with torch.no_grad():
+                while self._serve_ready(timeout=-1):
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - the policy failed: the run ends with it
+            self.error = exc
+            os.eventfd_write(self.failed_fd, 1)  # the run raises it and stops the workers (they wait meanwhile)
+
+    def _serve_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (-1: until something happens) for requests; answer
+        those that came with one forward pass. False once asked to stop."""
+        ready = []
+        for fd, _ in self._poller.poll(timeout):
+            if fd == self._stop_fd:
+                return False
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                continue
+            ready.append(self._by_fd[fd])
+        if ready:
+            self._serve_workers(sorted(ready))
+        return True
+
+    def _serve_workers(self, ready: list[int]) -> None:
+        """One forward pass over the rows of the workers ``ready`` (sorted); their answers."""
+        rows = self.rows
+        whole = len(ready) == self.workers
+        if whole:  # every worker asked: their rows are one contiguous array already
+            inputs = [a.reshape((-1,) + a.shape[2:]) for a in self.obs]
+        else:
+            inputs = [np.concatenate([a[w] for w in ready]) for a in self.obs]
+        with self.lock:
+            version = self.version
+            _, act_arrays, extras = self._runner(rows * len(ready)).act(inputs)
+            for i, w in enumerate(ready):
+                part = slice(i * rows, (i + 1) * rows)
+                for dst, arr in zip(self.act, act_arrays):
+                    dst[w] = arr[part]
+                for dst, arr in zip(self.extras, extras):
+                    dst[w] = arr[part]
+                self.versions[w] = version
+        self.forward_passes += 1
+        self.rows_served += rows * len(ready)
+        for w in ready:
+            os.eventfd_write(self.resp_fds[w], ACTIONS_READY)
+
+    def _wake_all(self, answer: int) -> None:
+        for fd in self.resp_fds:
+            try:
+                os.eventfd_write(fd, answer)
+            except OSError:
+                pass
+
+    async def watch(self) -> None:
+        """The run's task for the server: raises the policy's error if a forward pass fails."""
+        import anyio
+
+        if self.in_loop:  # serving on the loop: woken by the epoll set of every request
+            try:
+                while True:
+                    await anyio.wait_readable(self._poller.fileno())
+                    self._serve_ready(timeout=0)  # (the runners disable autograd per forward pass)
+            except Exception as exc:
+                self.error = exc
+        else:
+            await anyio.wait_readable(self.failed_fd)
+        assert self.error is not None
+        error = self.error
+        if hasattr(error, "add_note"):
+            error.add_note("(raised by the policy in the collector's inference server, inference='server')")
+        raise error
+
+    # -- weights --------------------------------------------------------------------------------
+    def update(self, updates: Any) -> int:
+        """``update_weights`` under server inference. ``updates`` maps model ids to weights:
+        ``None`` or the policy itself (its weights as they are) only make a new version; another
+        module, a TensorDict of parameters or a state dict are loaded into the policy (the model
+        id's part of it) first, all of them or none. Used from the next forward pass on."""
+        loads = [(model_id, weights) for model_id, weights in updates.items()
+                 if weights is not None and weights is not self.policy]
+        if loads:
+            import torch
+
+            from ._policy import classify
+            from ._weights import WeightLayout, match_state, state_of
+
+            _, fn, _, _ = classify(self.policy)
+            module = fn if isinstance(fn, torch.nn.Module) else self.policy
+            own = dict(module.state_dict(keep_vars=True))
+            layout = WeightLayout.of(own)
+            matched = {}
+            for model_id, weights in loads:  # (every part checked before anything is loaded)
+                argument = updates.argument(model_id) if hasattr(updates, "argument") else "policy_or_weights"
+                matched.update(match_state(state_of(weights, argument), layout, model_id, argument=argument))
+            with self.lock, torch.no_grad():
+                for name, value in matched.items():
+                    own[name].copy_(value)
+        with self.lock:
+            self.version += 1
+        return self.version
+
+    # -- the end --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End the thread (a forward pass under way finishes first), answer every worker that
+        waits that the server stopped, and close the fds and the segment."""
+        if self._thread is not None:
+            os.eventfd_write(self._stop_fd, 1)
+            self._thread.join()
+            self._thread = None
+        self._wake_all(SERVER_STOPPED)
+        if self._poller is not None:
+            self._poller.close()
+            self._poller = None
+        for fd in self.req_fds + self.resp_fds + [fd for fd in (self._stop_fd, self.failed_fd) if fd >= 0]:
+            os.close(fd)
+        self.req_fds, self.resp_fds, self._stop_fd, self.failed_fd = [], [], -1, -1
+        if self.segment is not None:
+            os.close(self.segment[0])
+            self.obs = self.act = self.extras = []
+            self.versions = None  # type: ignore[assignment]
+            self.segment = None  # (unmapped once no view refers to it)
+
+
+def _served(runner: Any) -> Any:
+    """A runner whose actions go back to workers as arrays (no per-env conversion here)."""
+    runner.env_actions = _Arrays()
+    return runner
+
+
+class _Arrays:
+    def per_env(self, arrays: list[np.ndarray], num_envs: int) -> None:
+        return None
+
+
+def check_server_config(config: Any) -> None:
+    """What ``inference="server"`` needs from the collector's options (raised at construction)."""
+    if config.num_workers == 0:
+        raise ConfigError(
+            "inference='server' runs the policy in this process for worker processes; with num_workers=0 the "
+            "policy runs in this process already: use inference='worker' (the default), or num_workers >= 1"
+        )
+    if isinstance(config.policy_factory, tuple):
+        raise ConfigError(
+            "inference='server' runs one policy for every worker; one policy_factory per worker needs "
+            "inference='worker'"
+        )
+    if config.policy is None and config.policy_factory is None:
+        raise ConfigError(
+            "inference='server' needs a policy to serve (policy=None samples random actions in the workers: "
+            "use inference='worker' for that)"
+        )
+
+
+__all__ = ["InferenceServer", "check_server_config"]

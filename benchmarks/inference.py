@@ -1,0 +1,215 @@
+"""Worker inference against server inference (``inference="server"``), on this machine's CPU.
+
+Setups, taking turns in this process tree (``--rounds`` rounds; each round measures every setup
+once for ``--seconds`` after ``--warmup``, so a drift of the shared machine touches all alike):
+
+* **CartPole-v1**, the 4-64-2 MLP (argmax), ``--workers`` workers x ``--cartpole-envs`` envs.
+* **Pong**: ``ALE/Pong-v5`` with ``AtariPreprocessing`` (84x84 grey, frame skip 4) and 4 stacked
+  frames, a Nature-CNN (3 conv layers, 512 hidden, argmax over 6 actions), ``--workers`` workers
+  x ``--pong-envs`` envs. Needs ``ale-py`` and OpenCV (``pip install -e .[atari]``); skipped
+  cleanly without them.
+
+For each: frames per second, the ratio to worker inference, and the lag of the event loop while
+collecting (a task that sleeps 1 ms and records how late it wakes; p50 / p99 / max), the server's
+forward passes per second and rows per pass. Worker inference runs a replica of the policy in
+each worker (one torch thread each); server inference runs the policy object in this process
+(one batched forward pass over every waiting worker's envs, in a thread of its own: see
+``docs/inference.md``).
+
+Not here yet: ``worker_groups=2``, first-ready batches (``env_batch_size``) and the CUDA case
+(``--device cuda``): server inference runs on the CPU only in this version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from _util import ArgmaxMLP, log, machine, machine_line, percentiles_ms, reap, sigterm_as_interrupt
+
+
+class NatureCNN(nn.Module):
+    """The DQN paper's network on 4x84x84 uint8 frames; greedy actions."""
+
+    def __init__(self, actions: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
+            nn.Linear(512, actions),
+        )
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.net(observation.float() / 255.0).argmax(-1)
+
+
+def make_pong() -> Any:
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    env = gym.make("ALE/Pong-v5", frameskip=1)
+    env = gym.wrappers.AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True, noop_max=30)
+    return gym.wrappers.FrameStackObservation(env, 4)
+
+
+def pong_problem() -> str | None:
+    try:
+        import ale_py  # noqa: F401
+        import cv2  # noqa: F401
+    except ImportError as exc:
+        return f"not installed ({exc.name}): pip install -e .[atari]"
+    return None
+
+
+SETUPS = {  # name: (inference, where the server serves)
+    "worker": ("worker", None),
+    "server": ("server", "thread"),
+    "server on the loop": ("server", "loop"),
+}
+
+
+async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Namespace, envs: int,
+                   steps: int) -> dict[str, Any]:
+    import anyio
+
+    import aiocollect._server
+    from aiocollect import Collector
+
+    inference, serve_in = SETUPS[setup]
+    if serve_in is not None:
+        aiocollect._server.SERVE_IN = serve_in
+
+    frames = 0
+    lags: list[float] = []
+    async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
+                         envs_per_worker=envs, inference=inference, seed=0) as c:
+        it = aiter(c)
+        await anext(it)  # started, and warm
+        t_end = time.perf_counter() + args.warmup
+        while time.perf_counter() < t_end:
+            await anext(it)
+        measuring = True
+
+        async def ticker() -> None:
+            while measuring:
+                t0 = time.perf_counter()
+                await anyio.sleep(0.001)
+                lags.append(time.perf_counter() - t0 - 0.001)
+
+        server = c._run.server
+        passes0 = server.forward_passes if server is not None else 0
+        rows0 = server.rows_served if server is not None else 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < args.seconds:
+                batch = await anext(it)
+                frames += batch.numel()
+            elapsed = time.perf_counter() - t0
+            measuring = False
+        out: dict[str, Any] = {"fps": frames / elapsed, "lag_ms": percentiles_ms(lags, (50, 99))}
+        if server is not None:
+            passes = server.forward_passes - passes0
+            out["passes_per_s"] = passes / elapsed
+            out["rows_per_pass"] = (server.rows_served - rows0) / max(passes, 1)
+    return out
+
+
+def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, envs: int, steps: int) -> dict:
+    import anyio
+
+    setups = ["worker", "server"] + (["server on the loop"] if args.serve_in_loop else [])
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
+    for r in range(args.rounds):
+        for setup in setups:
+            log(f"{name}: round {r + 1}/{args.rounds}, {setup} inference ({args.seconds:g} s) ...")
+            try:
+                res = anyio.run(_measure, env, policy, setup, args, envs, steps, backend="asyncio",
+                                backend_options={"use_uvloop": True})
+            finally:
+                reap(f"{name} {setup}")
+            log(f"  -> {res['fps']:,.0f} frames/s, loop lag p99 {res['lag_ms'].get('p99', float('nan')):.2f} ms")
+            results[setup].append(res)
+    base = statistics.median(r["fps"] for r in results["worker"])
+    table = {}
+    for inference, runs in results.items():
+        fps = statistics.median(r["fps"] for r in runs)
+        lag = {k: statistics.median(r["lag_ms"][k] for r in runs) for k in ("p50", "p99", "max")}
+        row = {"fps": fps, "ratio": fps / base, "lag_ms": lag, "runs_fps": [r["fps"] for r in runs]}
+        if inference != "worker":
+            row["passes_per_s"] = statistics.median(r["passes_per_s"] for r in runs)
+            row["rows_per_pass"] = statistics.median(r["rows_per_pass"] for r in runs)
+        table[inference] = row
+    return table
+
+
+def print_table(title: str, table: dict[str, Any]) -> None:
+    log(f"\n{title}")
+    log(f"{'inference':<18} {'frames/s':>10} {'ratio':>6} {'loop lag p50 / p99 / max (ms)':>31} {'passes/s':>9} "
+        f"{'rows/pass':>9}  runs (frames/s)")
+    for setup, row in table.items():
+        lag = row["lag_ms"]
+        passes = f"{row['passes_per_s']:,.0f}" if "passes_per_s" in row else "-"
+        rows = f"{row['rows_per_pass']:.1f}" if "rows_per_pass" in row else "-"
+        runs = ", ".join(f"{x:,.0f}" for x in row["runs_fps"])
+        log(f"{setup:<18} {row['fps']:>10,.0f} {row['ratio']:>6.2f} "
+            f"{lag['p50']:>12.2f} / {lag['p99']:>5.2f} / {lag['max']:>6.2f} {passes:>9} {rows:>9}  {runs}")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    m = machine()
+    log(machine_line(m))
+    log(f"{args.workers} workers; {args.rounds} rounds of {args.seconds:g} s per setup after {args.warmup:g} s of "
+        f"warm-up; sync delivery; CPU only")
+    out: dict[str, Any] = {"machine": m}
+    torch.manual_seed(0)
+    cartpole = run_case("cartpole", "CartPole-v1", ArgmaxMLP(), args, args.cartpole_envs, args.steps)
+    out["cartpole"] = cartpole
+    pong = None
+    problem = None if not args.skip_pong else "skipped (--skip-pong)"
+    problem = problem or pong_problem()
+    if problem is None:
+        torch.manual_seed(0)
+        pong = run_case("pong", make_pong, NatureCNN(), args, args.pong_envs, args.pong_steps)
+        out["pong"] = pong
+    print_table(f"CartPole-v1, 4-64-2 MLP, {args.workers} workers x {args.cartpole_envs} envs "
+                f"(ratio: to worker inference)", cartpole)
+    if pong is not None:
+        print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {args.pong_envs} envs", pong)
+    else:
+        log(f"\nPong: {problem}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--cartpole-envs", type=int, default=32, help="CartPole envs per worker (default 32)")
+    p.add_argument("--pong-envs", type=int, default=4, help="Pong envs per worker (default 4)")
+    p.add_argument("--steps", type=int, default=32, help="CartPole steps of each env per batch (default 32)")
+    p.add_argument("--pong-steps", type=int, default=16, help="Pong steps of each env per batch (default 16)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup and round (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (default 1 s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians over them (default 3)")
+    p.add_argument("--skip-pong", action="store_true", help="CartPole only")
+    p.add_argument("--serve-in-loop", action="store_true",
+                   help="also measure the server run as a task on the event loop instead of its own thread")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    with sigterm_as_interrupt():
+        sys.exit(main(parse_args()))

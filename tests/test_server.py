@@ -1,0 +1,257 @@
+"""inference="server": the workers step envs only, the user's own policy object runs in this
+process, one forward pass over the envs of every worker waiting for actions. Complete programs
+on real CartPole envs and real worker processes: the same data as worker inference for the same
+seed, the training loop with updates to its natural end (weights loaded into the user's policy,
+per-frame versions), the policy's extra outputs in the batch, vector envs and async delivery, a
+policy that raises, a worker replaced after a failure, and the options it refuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import gymnasium as gym
+import pytest
+import torch
+from tensordict.nn import TensorDictModule
+
+from aiocollect import Collector, ConfigError
+from aiocollect.events import WeightsApplied, WorkerRestarted
+from aiocollect.testing import CountingEnv
+
+from test_user_programs import Greedy, check_batch, train
+
+
+async def _collect(inference: str, *, delivery: str = "sync", updates: bool = False, **kw) -> list:
+    torch.manual_seed(0)
+    policy = Greedy()
+    out = []
+    async with Collector("CartPole-v1", policy, frames_per_batch=2 * 4 * 16, total_frames=2 * 4 * 16 * 4, seed=3,
+                         num_workers=2, envs_per_worker=4, delivery=delivery, inference=inference, prefetch=0,
+                         **kw) as c:
+        async for batch in c:
+            out.append(batch.clone())
+            if updates:
+                train(policy)
+                await c.update_weights(policy)
+    return out
+
+
+@pytest.mark.parametrize("updates", [False, True], ids=["fixed", "training"])
+async def test_server_gives_the_data_of_worker_inference_for_the_same_seed(updates):
+    """A deterministic policy, the same seed: every frame (observations, actions, next
+    observations, rewards, ends, trajectory ids) is the one worker inference collects, and the
+    frames follow CartPole's dynamics; with the training loop's updates (prefetch=0: each batch
+    collected after the previous update) the versions match too."""
+    with anyio.fail_after(60):
+        served = await _collect("server", updates=updates)
+        replicas = await _collect("worker", updates=updates)
+    assert len(served) == len(replicas) == 4
+    for s, r in zip(served, replicas):
+        check_batch(s)
+        for key in ("observation", "action", ("next", "observation"), ("next", "reward"), ("next", "done"),
+                    ("collector", "traj_ids"), ("collector", "policy_version")):
+            assert torch.equal(s[key], r[key]), key
+    if updates:
+        assert [int(b["collector", "policy_version"].max()) for b in served] == [0, 1, 2, 3]
+
+
+async def test_training_loop_loads_new_weights_into_the_users_policy_and_stamps_each_frame():
+    """`async for batch in c: ...; await c.update_weights(state_dict)` to the natural end with
+    async delivery: the state dict of another module is loaded into the policy the collector was
+    given (the user's object, no copy), every update is acknowledged by every worker at once,
+    and every frame's version is that of the forward pass that chose its action (a batch may span
+    an update; versions never go back within an env's row)."""
+    torch.manual_seed(0)
+    policy, trained = Greedy(), Greedy()
+    applied: list[WeightsApplied] = []
+    frames = 0
+    with anyio.fail_after(60):
+        c = Collector("CartPole-v1", policy, frames_per_batch=64, total_frames=64 * 8, num_workers=2,
+                      envs_per_worker=2, delivery="async", inference="server", seed=0)
+        c.on(WeightsApplied, applied.append)
+        async with c:
+            async for batch in c:
+                frames += batch.numel()
+                check_batch_rows(batch)
+                train(trained)
+                version = await c.update_weights(trained.state_dict())
+                assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), trained.parameters()))
+                assert version == c.policy_version
+    assert frames == 64 * 8
+    assert {(e.version, e.worker) for e in applied} == {(v, w) for v in range(1, 9) for w in (0, 1)}
+
+
+def check_batch_rows(batch) -> None:
+    obs, nxt, done = batch["observation"], batch["next", "observation"], batch["next", "done"][..., 0]
+    assert not bool((~(nxt[:, :-1] == obs[:, 1:]).all(-1) & ~done[:, :-1]).any()), "a frame breaks continuity"
+    versions = batch["collector", "policy_version"][..., 0] if batch["collector", "policy_version"].dim() > 2 else \
+        batch["collector", "policy_version"]
+    assert bool((versions[:, 1:] >= versions[:, :-1]).all()), "a row's versions go back"
+
+
+class Logits(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+
+    def forward(self, observation):
+        logits = self.net(observation)
+        return logits.argmax(-1), logits
+
+
+async def test_policy_extra_outputs_are_in_the_batch():
+    """A TensorDictModule writing the action and its logits: the logits land in the batch, and
+    are what the policy gives for each frame's observation (the server's forward pass, row for
+    row); frames of init_random_frames have zero logits."""
+    torch.manual_seed(0)
+    module = Logits()
+    policy = TensorDictModule(module, in_keys=["observation"], out_keys=["action", "logits"])
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=2 * 3 * 10, total_frames=2 * 3 * 10 * 3,
+                             num_workers=2, envs_per_worker=3, inference="server", init_random_frames=2 * 3 * 5,
+                             seed=1) as c:
+            batches = [b.clone() async for b in c]
+    first = batches[0]
+    assert first["logits"].shape == (6, 10, 2)
+    assert bool((first["logits"][:, :5] == 0).all()), "random frames have no logits"
+    for b in batches[1:]:
+        with torch.no_grad():
+            expected = module.net(b["observation"])
+        torch.testing.assert_close(b["logits"], expected)
+        assert torch.equal(b["action"], expected.argmax(-1))
+
+
+async def test_vector_envs_with_async_delivery():
+    """Gymnasium's CartPole vector entry point (8 sub-envs per worker) with async delivery: each
+    batch is one worker's rows, every frame follows CartPole's dynamics and the actions are the
+    policy's for the frames' observations."""
+    torch.manual_seed(0)
+    policy = Greedy()
+
+    def make():
+        return gym.make_vec("CartPole-v1", num_envs=8, vectorization_mode="vector_entry_point")
+
+    with anyio.fail_after(60):
+        async with Collector(make, policy, frames_per_batch=8 * 12, total_frames=8 * 12 * 6, num_workers=2,
+                             delivery="async", inference="server", seed=2) as c:
+            batches = [b.clone() async for b in c]
+    assert len(batches) == 6
+    for b in batches:
+        check_batch_rows(b)
+        with torch.no_grad():
+            assert torch.equal(b["action"], policy(b["observation"]))
+
+
+class Exploding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, observation):
+        self.calls += 1
+        if self.calls == 30:
+            raise ValueError("the policy failed on purpose")
+        return self.net(observation).argmax(-1)
+
+
+async def test_a_policy_that_raises_ends_the_run_with_its_error():
+    """The policy raises in the server's 30th forward pass: the consumer gets that ValueError
+    (with a note that the server raised it), and no worker, thread or shared memory is left
+    (the test's fixture checks)."""
+    with anyio.fail_after(60):
+        c = Collector("CartPole-v1", Exploding(), frames_per_batch=2 * 2 * 8, num_workers=2, envs_per_worker=2,
+                      inference="server")
+        with pytest.raises(ValueError, match="on purpose") as info:
+            async with c:
+                async for _ in c:
+                    pass
+    assert any("inference server" in note for note in getattr(info.value, "__notes__", []))
+
+
+async def test_a_failed_worker_is_replaced_and_served(tmp_path):
+    """on_worker_failure="restart": an env that raises once; its worker's replacement is linked
+    to the server and the run reaches total_frames with every frame continuous."""
+    flag = str(tmp_path / "flag")
+
+    def make():
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            return CountingEnv(episode_length=9, fail_at_step=7)
+        except FileExistsError:
+            return CountingEnv(episode_length=9)
+
+    class Half(torch.nn.Module):
+        def forward(self, observation):
+            return (observation[..., 0] % 2).long()
+
+    restarts = []
+    with anyio.fail_after(60):
+        c = Collector(make, Half(), frames_per_batch=2 * 10, total_frames=2 * 10 * 5, num_workers=2,
+                      on_worker_failure="restart", inference="server", seed=0)
+        c.on(WorkerRestarted, restarts.append)
+        async with c:
+            batches = [b.clone() async for b in c]
+    assert len(restarts) == 1 and len(batches) == 5
+    for b in batches:
+        assert torch.equal(b["action"], (b["observation"][..., 0] % 2).long())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_workers=0), "num_workers=0"),
+    (dict(policy=None), "needs a policy"),
+    (dict(policy=None, policy_factory=(Greedy, Greedy), num_workers=2), "one policy_factory per worker"),
+    (dict(inference="gpu"), "'worker' or 'server'"),
+])
+def test_options_it_refuses_say_what_to_use(kwargs, match):
+    args = dict(policy=Greedy(), frames_per_batch=16, num_workers=1, inference="server") | kwargs
+    with pytest.raises(ConfigError, match=match):
+        Collector("CartPole-v1", **args)
+
+
+async def test_update_weights_for_some_workers_is_refused():
+    """One policy serves every worker: worker_ids is a ConfigError naming the fix."""
+    with anyio.fail_after(30):
+        async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=2, inference="server") as c:
+            with pytest.raises(ConfigError, match="worker_ids"):
+                await c.update_weights(worker_ids=[0])
+
+
+def test_server_workers_never_load_torch(tmp_path):
+    """In a fresh interpreter (its own worker launcher), a collector with inference="server":
+    no worker process has torch's library mapped; with worker inference they do (the check can
+    tell)."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent("""
+        import anyio, torch
+        from aiocollect import Collector
+
+        class Greedy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(4, 2)
+
+            def forward(self, observation):
+                return self.net(observation).argmax(-1)
+
+        def mapped(pid):
+            with open(f"/proc/{pid}/maps") as f:
+                return "libtorch" in f.read()
+
+        async def main():
+            for inference in ("server", "worker"):
+                async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=2, envs_per_worker=2,
+                                     inference=inference) as c:
+                    it = aiter(c)
+                    await anext(it)
+                    print(inference, [mapped(pid) for pid in c.worker_pids])
+
+        anyio.run(main)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "server [False, False]" in out.stdout and "worker [True, True]" in out.stdout, out.stdout
