@@ -9,6 +9,9 @@ once for ``--seconds`` after ``--warmup``, so a drift of the shared machine touc
   x ``--pong-envs`` envs. Needs ``ale-py`` and OpenCV (``pip install -e .[atari]``); skipped
   cleanly without them.
 
+With ``--serve-in-loop`` the server is also measured as a task on the event loop instead of its
+own thread (the choice ``docs/inference.md`` explains).
+
 For each: frames per second, the ratio to worker inference, and the lag of the event loop while
 collecting (a task that sleeps 1 ms and records how late it wakes; p50 / p99 / max), the server's
 forward passes per second and rows per pass. Worker inference runs a replica of the policy in
