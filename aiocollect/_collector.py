@@ -137,6 +137,10 @@ class Collector(Service, BlockingMixin):
         profile: ProfileConfig | None = None,
         check_finite: bool = False,
         action_bounds: str = "pass",
+        device: Any = None,
+        policy_device: Any = None,
+        env_device: Any = None,
+        storing_device: Any = None,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -170,6 +174,10 @@ class Collector(Service, BlockingMixin):
             profile=profile,
             check_finite=check_finite,
             action_bounds=action_bounds,  # type: ignore[arg-type]
+            device=device,
+            policy_device=policy_device,
+            env_device=env_device,
+            storing_device=storing_device,
         )
         self._run = run = Run(self.config)
         self._portal = portal = Portal(run)

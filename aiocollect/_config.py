@@ -250,6 +250,34 @@ class CollectorConfig:
     """A policy's action outside its Box space's bounds: ``"pass"`` gives it to the env as it is,
     ``"clip"`` gives the env ``np.clip(action, low, high)`` (the batch keeps the policy's action),
     ``"error"`` raises :class:`SpecError`. Random actions are never touched."""
+    device: Any = None
+    """Fills ``policy_device`` and ``storing_device`` where they are not given (TorchRL's
+    meaning; the envs always step on the CPU)."""
+    policy_device: Any = None
+    """Where the policy runs: ``"cpu"``, or a CUDA device with ``inference="server"`` (the
+    policy object is moved there once). ``None``: worker inference on the CPU; the server where
+    the policy's parameters are."""
+    env_device: Any = None
+    """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
+    storing_device: Any = None
+    """Where delivered batches live: ``None``/``"cpu"`` (shared memory, lent or copied), or a CUDA
+    device (each batch copied to it once, in a thread, and its slots handed back at once)."""
+
+    @property
+    def stores_on_cuda(self) -> bool:
+        """Batches are copied to a CUDA ``storing_device`` (none is lent)."""
+        if self.storing_device is None and self.device is None:
+            return False
+        storing = self.devices["storing_device"]
+        return storing is not None and storing.type == "cuda"
+
+    @property
+    def devices(self) -> dict[str, Any]:
+        """``policy_device``, ``env_device`` and ``storing_device`` as ``torch.device`` (or None),
+        with ``device`` filled in (checked at construction)."""
+        from ._devices import resolve_devices
+
+        return resolve_devices(self)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, int) and self.num_workers > 0:
@@ -288,6 +316,10 @@ class CollectorConfig:
             from ._server import check_server_config
 
             check_server_config(self)
+        if any(getattr(self, name) is not None for name in ("device", "policy_device", "env_device", "storing_device")):
+            from ._devices import resolve_devices
+
+            resolve_devices(self)
         factory = self.policy_factory
         if isinstance(factory, (list, tuple)):
             if len(factory) != self.workers:
@@ -404,7 +436,7 @@ class CollectorConfig:
         holds while it asks for the next (a loop's variable); none with ``zero_copy``
         (its batches hold their slots until the next one is asked for) or ``trajs_per_batch``
         (which copies frames anyway)."""
-        if self.zero_copy or self.trajs_per_batch is not None:
+        if self.zero_copy or self.trajs_per_batch is not None or self.stores_on_cuda:
             return 0
         return self.prefetch + 2
 

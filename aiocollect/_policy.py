@@ -184,6 +184,11 @@ class _TorchRunner:
     remote = False
 
     def __init__(self, act_space: spaces.Space, act_leaves: list[Leaf], obs_leaves: list[Leaf], num_envs: int) -> None:
+        import torch
+
+        # observations (numpy) -> the policy's input tensors; the inference server replaces it on a
+        # CUDA device (pinned staging and a non-blocking copy)
+        self._from_numpy: Callable[[np.ndarray], Any] = torch.from_numpy
         self.act_space = act_space
         self.act_leaves = act_leaves
         self.obs_leaves = obs_leaves
@@ -317,7 +322,7 @@ class ModuleRunner(_TorchRunner):
         self.module = module
         self.model = module if isinstance(module, torch.nn.Module) else None
         # what the per-step path calls, looked up once
-        self._from_numpy, self._grad_enabled, self._no_grad = torch.from_numpy, torch.is_grad_enabled, torch.no_grad
+        self._grad_enabled, self._no_grad = torch.is_grad_enabled, torch.no_grad
         self.out_keys = list(out_keys)
         self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and len(self.act_leaves) == 1
         self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
@@ -356,7 +361,7 @@ class ModuleRunner(_TorchRunner):
         import torch
 
         with torch.no_grad():
-            out = self.module(*[torch.from_numpy(obs[i]) for i in self.in_idx])
+            out = self.module(*[self._from_numpy(obs[i]) for i in self.in_idx])
         if not isinstance(out, tuple):
             out = (out,)
         if len(out) != len(self.out_keys):
@@ -386,7 +391,7 @@ class TensorDictRunner(_TorchRunner):
 
         td = TensorDict({}, batch_size=[self.num_envs])
         for key, arr in zip(self.obs_keys, obs):
-            td.set(key, torch.from_numpy(arr))
+            td.set(key, self._from_numpy(arr))
         with torch.no_grad(), set_interaction_type(self.interaction):
             out = self.policy(td)
         if out is None:

@@ -103,6 +103,7 @@ class Producer:
         # copies of batches go into reused memory: slots ahead, one held, and a few the consumer keeps
         self.pool = ChunkPool(run.config.num_slots + 2)
         self.loans = Loans(run.config.lend_slots)
+        self.storing = run.config.devices["storing_device"] if run.config.stores_on_cuda else None
         self.rounds = 0  # worker batches collected (what total_frames counts)
         self.produced = 0  # batches sent into the stream (what demand counts)
 
@@ -278,14 +279,15 @@ class Producer:
             views = [run.slot_views[slot]]
         else:
             views = [w.slots.np_views[s] for w, s in parts]
-        lent = not zero_copy and len(views) == 1 and self.loans.can_lend(parts)
+        storing = self.storing  # a CUDA storing_device: copied there (from the slot's views), nothing lent
+        lent = not zero_copy and storing is None and len(views) == 1 and self.loans.can_lend(parts)
         if lent:
             array = layout.slot_array(run.segment[1], slot)  # type: ignore[index]
             views = [layout.views(array, slot, None if whole else parts[0][0].index, mapped_slot=True)]
             self.loans.lend(array, parts)
             del array  # (only the loan and the views refer to it)
-        share = lent or (bool(zero_copy) and len(views) == 1)
-        if not share:
+        share = lent or (bool(zero_copy) and len(views) == 1) or (storing is not None and len(views) == 1)
+        if not share or storing is not None:
             run.stats.copied += 1
         E = layout.num_envs * len(parts)
         T = layout.frames_per_env
@@ -316,6 +318,8 @@ class Producer:
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
             return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
 
+        if storing is not None:  # one copy to the device, in a thread (the loop runs on meanwhile)
+            return await anyio.to_thread.run_sync(lambda: build().to(storing)), None, False
         if not share and layout.slot_nbytes * len(parts) // layout.workers > _THREAD_COPY_BYTES:
             batch = await anyio.to_thread.run_sync(build)
         else:

@@ -20,9 +20,11 @@ elsewhere (an optimizer's ``step()``) is not guarded: a forward pass may run dur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -43,7 +45,8 @@ class InferenceServer:
     of the batch layout), :meth:`start` starts the thread, :meth:`stop` ends it and wakes every
     waiting worker."""
 
-    def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str) -> None:
+    def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str,
+                 device: Any = None) -> None:
         from ._policy import PolicySpec, build_runner
 
         self.policy = policy
@@ -58,9 +61,17 @@ class InferenceServer:
         ))
         self._runners: dict[int, Any] = {}
         self._extra_keys: list[Any] = []
+        self.device = _place(policy, device)  # where the forward passes run
+        self.cuda = self.device is not None and self.device.type == "cuda"
+        if self.cuda:
+            import torch
+
+            self.stream = torch.cuda.Stream(self.device)  # the server's own: never the user's default stream
+            self._pinned: dict[tuple, Any] = {}
         self.version = 0
         self.forward_passes = 0
         self.rows_served = 0
+        self.busy = 0.0  # seconds in forward passes (copies in and out included)
         self.error: BaseException | None = None
         self.lock = threading.Lock()  # held by each forward pass and by weight loads
         self.layout: ServerLayout | None = None
@@ -76,10 +87,30 @@ class InferenceServer:
     def _runner(self, n: int) -> Any:
         runner = self._runners.get(n)
         if runner is None:
-            runner = self._runners[n] = self._build(n)
+            runner = self._runners[n] = self._new_runner(n)
             if hasattr(runner, "extra_keys"):  # the outputs found by probe()
                 runner.extra_keys = list(self._extra_keys)
         return runner
+
+    def _new_runner(self, n: int) -> Any:
+        runner = self._build(n)
+        if self.cuda:
+            runner._from_numpy = self._to_device
+        return runner
+
+    def _to_device(self, arr: np.ndarray) -> Any:
+        """CUDA: observations into page-locked memory of this shape (one buffer per shape,
+        reused: the previous pass's copy out of it is complete, since each pass ends by waiting
+        for its outputs on the same stream), then to the device without blocking, on the server's
+        stream."""
+        import torch
+
+        key = (arr.shape, arr.dtype.str)
+        pinned = self._pinned.get(key)
+        if pinned is None:
+            pinned = self._pinned[key] = torch.empty(arr.shape, dtype=torch.from_numpy(arr[:0]).dtype, pin_memory=True)
+        pinned.copy_(torch.from_numpy(arr))
+        return pinned.to(self.device, non_blocking=True)
 
     # -- set-up ---------------------------------------------------------------------------------
     def probe(self) -> list[Leaf]:
@@ -89,8 +120,8 @@ class InferenceServer:
         zeros = [np.zeros((self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         import torch
 
-        runner = self._build(self.rows)
-        with torch.no_grad():
+        runner = self._new_runner(self.rows)
+        with torch.no_grad(), self._on_stream():
             extras = list(runner.probe(zeros))
         self._extra_keys = [leaf.key for leaf in extras]
         self._runners[self.rows] = runner
@@ -167,8 +198,11 @@ class InferenceServer:
             inputs = [a.reshape((-1,) + a.shape[2:]) for a in self.obs]
         else:
             inputs = [np.concatenate([a[w] for w in ready]) for a in self.obs]
-        with self.lock:
+        t0 = time.perf_counter()
+        with self.lock, self._on_stream():
             version = self.version
+            # (on CUDA the outputs come back with a copy that waits for the pass: the thread waits
+            # outside the GIL, the event loop runs meanwhile)
             _, act_arrays, extras = self._runner(rows * len(ready)).act(inputs)
             for i, w in enumerate(ready):
                 part = slice(i * rows, (i + 1) * rows)
@@ -177,10 +211,21 @@ class InferenceServer:
                 for dst, arr in zip(self.extras, extras):
                     dst[w] = arr[part]
                 self.versions[w] = version
+        self.busy += time.perf_counter() - t0
         self.forward_passes += 1
         self.rows_served += rows * len(ready)
         for w in ready:
             os.eventfd_write(self.resp_fds[w], ACTIONS_READY)
+
+    def _on_stream(self) -> Any:
+        """CUDA: the server's stream, after all the work queued on the device's default stream so
+        far (the user's training, an optimizer's step: the pass sees its results)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        import torch
+
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        return torch.cuda.stream(self.stream)
 
     def _wake_all(self, answer: int) -> None:
         for fd in self.resp_fds:
@@ -230,7 +275,7 @@ class InferenceServer:
             for model_id, weights in loads:  # (every part checked before anything is loaded)
                 argument = updates.argument(model_id) if hasattr(updates, "argument") else "policy_or_weights"
                 matched.update(match_state(state_of(weights, argument), layout, model_id, argument=argument))
-            with self.lock, torch.no_grad():
+            with self.lock, torch.no_grad(), self._on_stream():
                 for name, value in matched.items():
                     own[name].copy_(value)
         with self.lock:
@@ -257,6 +302,22 @@ class InferenceServer:
             self.obs = self.act = self.extras = []
             self.versions = None  # type: ignore[assignment]
             self.segment = None  # (unmapped once no view refers to it)
+
+
+def _place(policy: Any, device: Any) -> Any:
+    """The device the server's forward passes run on: ``policy_device`` (the policy object is
+    moved there, once, in place, as TorchRL's collectors do), else where its parameters are
+    (``None``: no parameters, the CPU)."""
+    import torch
+
+    if device is not None:
+        if isinstance(policy, torch.nn.Module):
+            policy.to(device)
+        return device
+    if isinstance(policy, torch.nn.Module):
+        for p in policy.parameters():
+            return p.device
+    return None
 
 
 def _served(runner: Any) -> Any:

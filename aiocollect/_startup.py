@@ -166,7 +166,8 @@ def start_server(run: "Run", spec: dict) -> list:
 
     c = run.config
     policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
-    server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type)
+    server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type,
+                             c.devices["policy_device"])
     run.server = server
     extras = server.probe()
     server.allocate(extras)

@@ -19,8 +19,12 @@ each worker (one torch thread each); server inference runs the policy object in 
 (one batched forward pass over every waiting worker's envs, in a thread of its own: see
 ``docs/inference.md``).
 
-Not here yet: ``worker_groups=2``, first-ready batches (``env_batch_size``) and the CUDA case
-(``--device cuda``): server inference runs on the CPU only in this version.
+With ``--device cuda`` (a machine with a CUDA GPU): the Pong case with ``--gpu-envs`` envs in all
+(default 64 and 256, over ``--workers`` workers), worker inference on the CPU against the server
+on the GPU (its own stream, pinned staging): frames per second, the loop's lag, the time per
+forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can read it (pynvml).
+
+Not here yet: ``worker_groups=2``, first-ready batches (``env_batch_size``), ``cudagraph_policy``.
 """
 
 from __future__ import annotations
@@ -72,10 +76,11 @@ def pong_problem() -> str | None:
     return None
 
 
-SETUPS = {  # name: (inference, where the server serves)
-    "worker": ("worker", None),
-    "server": ("server", "thread"),
-    "server on the loop": ("server", "loop"),
+SETUPS = {  # name: (inference, where the server serves, policy_device)
+    "worker": ("worker", None, None),
+    "server": ("server", "thread", None),
+    "server on the loop": ("server", "loop", None),
+    "server on cuda": ("server", "thread", "cuda"),
 }
 
 
@@ -86,14 +91,16 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     import aiocollect._server
     from aiocollect import Collector
 
-    inference, serve_in = SETUPS[setup]
+    inference, serve_in, device = SETUPS[setup]
     if serve_in is not None:
         aiocollect._server.SERVE_IN = serve_in
+    if device is None:
+        policy = policy.cpu()
 
     frames = 0
     lags: list[float] = []
     async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
-                         envs_per_worker=envs, inference=inference, seed=0) as c:
+                         envs_per_worker=envs, inference=inference, seed=0, policy_device=device) as c:
         it = aiter(c)
         await anext(it)  # started, and warm
         t_end = time.perf_counter() + args.warmup
@@ -110,12 +117,16 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
         server = c._run.server
         passes0 = server.forward_passes if server is not None else 0
         rows0 = server.rows_served if server is not None else 0
+        busy0 = server.busy if server is not None else 0.0
+        gpu: list[float] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < args.seconds:
                 batch = await anext(it)
                 frames += batch.numel()
+                if device is not None:
+                    gpu.append(_gpu_utilisation())
             elapsed = time.perf_counter() - t0
             measuring = False
         out: dict[str, Any] = {"fps": frames / elapsed, "lag_ms": percentiles_ms(lags, (50, 99))}
@@ -123,13 +134,24 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
             passes = server.forward_passes - passes0
             out["passes_per_s"] = passes / elapsed
             out["rows_per_pass"] = (server.rows_served - rows0) / max(passes, 1)
+            out["ms_per_pass"] = (server.busy - busy0) / max(passes, 1) * 1e3
+        if gpu and all(g >= 0 for g in gpu):
+            out["gpu_util"] = statistics.mean(gpu)
     return out
 
 
-def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, envs: int, steps: int) -> dict:
+def _gpu_utilisation() -> float:
+    try:
+        return float(torch.cuda.utilization())
+    except Exception:  # noqa: BLE001 - pynvml missing: not measured
+        return -1.0
+
+
+def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, envs: int, steps: int,
+             setups: list[str] | None = None) -> dict:
     import anyio
 
-    setups = ["worker", "server"] + (["server on the loop"] if args.serve_in_loop else [])
+    setups = setups or ["worker", "server"] + (["server on the loop"] if args.serve_in_loop else [])
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
     for r in range(args.rounds):
         for setup in setups:
@@ -150,6 +172,9 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
         if inference != "worker":
             row["passes_per_s"] = statistics.median(r["passes_per_s"] for r in runs)
             row["rows_per_pass"] = statistics.median(r["rows_per_pass"] for r in runs)
+            row["ms_per_pass"] = statistics.median(r["ms_per_pass"] for r in runs)
+        if all("gpu_util" in r for r in runs):
+            row["gpu_util"] = statistics.median(r["gpu_util"] for r in runs)
         table[inference] = row
     return table
 
@@ -157,14 +182,16 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
 def print_table(title: str, table: dict[str, Any]) -> None:
     log(f"\n{title}")
     log(f"{'inference':<18} {'frames/s':>10} {'ratio':>6} {'loop lag p50 / p99 / max (ms)':>31} {'passes/s':>9} "
-        f"{'rows/pass':>9}  runs (frames/s)")
+        f"{'rows/pass':>9} {'ms/pass':>7} {'GPU %':>5}  runs (frames/s)")
     for setup, row in table.items():
         lag = row["lag_ms"]
         passes = f"{row['passes_per_s']:,.0f}" if "passes_per_s" in row else "-"
         rows = f"{row['rows_per_pass']:.1f}" if "rows_per_pass" in row else "-"
+        ms = f"{row['ms_per_pass']:.2f}" if "ms_per_pass" in row else "-"
+        util = f"{row['gpu_util']:.0f}" if "gpu_util" in row else "-"
         runs = ", ".join(f"{x:,.0f}" for x in row["runs_fps"])
         log(f"{setup:<18} {row['fps']:>10,.0f} {row['ratio']:>6.2f} "
-            f"{lag['p50']:>12.2f} / {lag['p99']:>5.2f} / {lag['max']:>6.2f} {passes:>9} {rows:>9}  {runs}")
+            f"{lag['p50']:>12.2f} / {lag['p99']:>5.2f} / {lag['max']:>6.2f} {passes:>9} {rows:>9} {ms:>7} {util:>5}  {runs}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -172,8 +199,10 @@ def main(args: argparse.Namespace) -> int:
     m = machine()
     log(machine_line(m))
     log(f"{args.workers} workers; {args.rounds} rounds of {args.seconds:g} s per setup after {args.warmup:g} s of "
-        f"warm-up; sync delivery; CPU only")
+        f"warm-up; sync delivery; {'CPU only' if args.device == 'cpu' else 'the GPU comparison'}")
     out: dict[str, Any] = {"machine": m}
+    if args.device == "cuda":
+        return run_gpu(args, out)
     torch.manual_seed(0)
     cartpole = run_case("cartpole", "CartPole-v1", ArgmaxMLP(), args, args.cartpole_envs, args.steps)
     out["cartpole"] = cartpole
@@ -196,6 +225,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
+    """``--device cuda``: Pong with ``--gpu-envs`` envs in all, worker inference (CPU) against the
+    server on the GPU."""
+    if not torch.cuda.is_available():
+        log("--device cuda: CUDA is not available here (torch.cuda.is_available() is False)")
+        return 2
+    problem = pong_problem()
+    if problem is not None:
+        log(f"--device cuda runs the Pong case: {problem}")
+        return 2
+    log(f"GPU: {torch.cuda.get_device_name()}")
+    tables = {}
+    for total in args.gpu_envs:
+        envs = max(total // args.workers, 1)
+        torch.manual_seed(0)
+        tables[total] = run_case(f"pong {total} envs", make_pong, NatureCNN(), args, envs, args.pong_steps,
+                                 setups=["worker", "server on cuda"])
+    for total, table in tables.items():
+        print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {max(total // args.workers, 1)} "
+                    f"envs: worker inference (CPU) against the server on CUDA", table)
+    out["gpu"] = {str(k): v for k, v in tables.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -209,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-pong", action="store_true", help="CartPole only")
     p.add_argument("--serve-in-loop", action="store_true",
                    help="also measure the server run as a task on the event loop instead of its own thread")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU comparison (Pong, --gpu-envs envs in all); default cpu")
+    p.add_argument("--gpu-envs", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256],
+                   help="--device cuda: envs in all, comma-separated (default 64,256)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p.parse_args(argv)
 

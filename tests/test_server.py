@@ -255,3 +255,32 @@ def test_server_workers_never_load_torch(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "server [False, False]" in out.stdout and "worker [True, True]" in out.stdout, out.stdout
+
+
+async def test_updates_before_the_first_batch_and_from_another_task():
+    """update_weights right after entering `async with` (before any batch), then from a task of
+    its own every few milliseconds while the consumer iterates to total_frames: every update is
+    a new version, the frames carry versions that never go back within a row, and the run ends
+    cleanly with the updater still going."""
+    torch.manual_seed(0)
+    policy = Greedy()
+    seen: list[int] = []
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=2 * 2 * 16, total_frames=2 * 2 * 16 * 6,
+                             num_workers=2, envs_per_worker=2, inference="server", seed=0) as c:
+            assert await c.update_weights(policy) == 1
+
+            async def updater() -> None:
+                while True:
+                    train(policy)
+                    seen.append(await c.update_weights(policy))
+                    await anyio.sleep(0.005)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(updater)
+                batches = [b.clone() async for b in c]
+                tg.cancel_scope.cancel()
+    assert len(batches) == 6 and seen == list(range(2, 2 + len(seen)))
+    for b in batches:
+        check_batch_rows(b)
+    assert int(batches[-1]["collector", "policy_version"].max()) > 1
