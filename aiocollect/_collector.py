@@ -141,6 +141,8 @@ class Collector(Service, BlockingMixin):
         policy_device: Any = None,
         env_device: Any = None,
         storing_device: Any = None,
+        compile_policy: bool | dict = False,
+        cudagraph_policy: bool | dict = False,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -178,6 +180,8 @@ class Collector(Service, BlockingMixin):
             policy_device=policy_device,
             env_device=env_device,
             storing_device=storing_device,
+            compile_policy=compile_policy,
+            cudagraph_policy=cudagraph_policy,
         )
         self._run = run = Run(self.config)
         self._portal = portal = Portal(run)

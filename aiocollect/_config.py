@@ -259,6 +259,13 @@ class CollectorConfig:
     the policy's parameters are."""
     env_device: Any = None
     """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
+    compile_policy: bool | dict = False
+    """``inference="server"``: run the policy through ``torch.compile`` (``True``, or a dict of
+    its keyword arguments); compiled during start-up, for every number of rows a forward pass can
+    have (not counted as collection)."""
+    cudagraph_policy: bool | dict = False
+    """``inference="server"`` on a CUDA ``policy_device``: replay the policy's forward passes as
+    CUDA graphs (tensordict's ``CudaGraphModule``; ``True`` or a dict of its keyword arguments)."""
     storing_device: Any = None
     """Where delivered batches live: ``None``/``"cpu"`` (shared memory, lent or copied), or a CUDA
     device (each batch copied to it once, in a thread, and its slots handed back at once)."""
@@ -316,6 +323,9 @@ class CollectorConfig:
             from ._server import check_server_config
 
             check_server_config(self)
+        from ._server import check_wrapping
+
+        check_wrapping(self)
         if any(getattr(self, name) is not None for name in ("device", "policy_device", "env_device", "storing_device")):
             from ._devices import resolve_devices
 

@@ -23,6 +23,7 @@ from . import events as ev
 from ._errors import BrokenWorkerError
 from ._layout import Key, SlotLayout
 from ._pool import ChunkPool, Loans
+from ._resource import in_own_thread
 
 if TYPE_CHECKING:  # pragma: no cover
     from tensordict import TensorDict, TensorDictBase
@@ -319,7 +320,7 @@ class Producer:
             return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])
 
         if storing is not None:  # one copy to the device, in a thread (the loop runs on meanwhile)
-            return await anyio.to_thread.run_sync(lambda: build().to(storing)), None, False
+            return await in_own_thread(lambda: build().to(storing), "aiocollect storing copy"), None, False
         if not share and layout.slot_nbytes * len(parts) // layout.workers > _THREAD_COPY_BYTES:
             batch = await anyio.to_thread.run_sync(build)
         else:

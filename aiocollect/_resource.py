@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import threading
+from typing import Any, Callable, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+T = TypeVar("T")
 
 
 class AsyncResource:
@@ -49,6 +54,35 @@ async def wait_shielded(event: Any) -> None:
             pending = exc
     if pending is not None:
         raise pending
+
+
+async def in_own_thread(fn: Callable[[], T], name: str) -> T:
+    """Run ``fn()`` in a thread of its own that ends with it, while the event loop keeps running;
+    its result is returned, its exception raised here. (Not anyio's thread pool: its idle thread
+    would outlive the collector by seconds.)"""
+    done = anyio.Event()
+    token = anyio.lowlevel.current_token()
+    failure: list[BaseException] = []
+    result: list[T] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop below
+            failure.append(exc)
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
+            pass
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
+        await done.wait()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def unwrap_group(exc: BaseException) -> BaseException:

@@ -46,7 +46,7 @@ class InferenceServer:
     waiting worker."""
 
     def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str,
-                 device: Any = None) -> None:
+                 device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False) -> None:
         from ._policy import PolicySpec, build_runner
 
         self.policy = policy
@@ -61,7 +61,14 @@ class InferenceServer:
         ))
         self._runners: dict[int, Any] = {}
         self._extra_keys: list[Any] = []
+        self.compile, self.cudagraph = compile_policy, cudagraph_policy
+        self._compiled: Any = None
         self.device = _place(policy, device)  # where the forward passes run
+        if cudagraph_policy is not False and (self.device is None or self.device.type != "cuda"):
+            raise ConfigError(
+                f"cudagraph_policy={cudagraph_policy!r} needs the policy on a CUDA device (CUDA graphs); the server's "
+                f"policy runs on {self.device or 'the CPU'}: pass policy_device='cuda', or drop cudagraph_policy"
+            )
         self.cuda = self.device is not None and self.device.type == "cuda"
         if self.cuda:
             import torch
@@ -96,7 +103,41 @@ class InferenceServer:
         runner = self._build(n)
         if self.cuda:
             runner._from_numpy = self._to_device
+        if self.compile is not False or self.cudagraph is not False:
+            attr = "module" if hasattr(runner, "module") else "policy"  # (ModuleRunner, TensorDictRunner)
+            setattr(runner, attr, self._wrap(getattr(runner, attr)))
         return runner
+
+    def _wrap(self, fn: Any) -> Any:
+        """``compile_policy``: one ``torch.compile`` of the policy, shared by every runner (new
+        numbers of rows recompile, during the warm-up); ``cudagraph_policy``: tensordict's
+        ``CudaGraphModule`` per runner (a graph per input shape)."""
+        import torch
+
+        if self.compile is not False:
+            if self._compiled is None:
+                self._compiled = torch.compile(fn, **(self.compile if isinstance(self.compile, dict) else {}))
+            fn = self._compiled
+        if self.cudagraph is not False:
+            from tensordict.nn import CudaGraphModule
+
+            fn = CudaGraphModule(fn, **(self.cudagraph if isinstance(self.cudagraph, dict) else {}))
+        return fn
+
+    def warm_up(self) -> None:
+        """``compile_policy``/``cudagraph_policy``: one forward pass (twice for a graph's own
+        warm-up and capture) for each number of rows a pass can have, before collection starts
+        (not counted in it), leaving torch's random state as it was."""
+        if self.compile is False and self.cudagraph is False:
+            return
+        import torch
+
+        passes = 3 if self.cudagraph is not False else 1
+        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.cuda else []), self._on_stream():
+            for k in range(1, self.workers + 1):
+                zeros = [np.zeros((k * self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
+                for _ in range(passes):
+                    self._runner(k * self.rows).act(zeros)
 
     def _to_device(self, arr: np.ndarray) -> Any:
         """CUDA: observations into page-locked memory of this shape (one buffer per shape,
@@ -331,6 +372,28 @@ class _Arrays:
         return None
 
 
+def check_wrapping(config: Any) -> None:
+    """``compile_policy`` and ``cudagraph_policy``: ``False``, ``True`` or a dict of keyword
+    arguments, for the server's policy only."""
+    for name in ("compile_policy", "cudagraph_policy"):
+        value = getattr(config, name)
+        if not isinstance(value, (bool, dict)) or (isinstance(value, dict) and not all(isinstance(k, str) for k in value)):
+            raise ConfigError(f"{name}={value!r} must be False, True or a dict of keyword arguments (str keys)")
+        if value is not False and config.inference != "server":
+            raise ConfigError(
+                f"{name}={value!r} wraps the policy the inference server runs; use inference='server' (worker "
+                f"inference runs a plain copy of the policy in each worker)"
+            )
+    if config.cudagraph_policy is not False:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"cudagraph_policy={config.cudagraph_policy!r} needs the policy on a CUDA device (CUDA graphs), and "
+                f"CUDA is not available here; drop cudagraph_policy"
+            )
+
+
 def check_server_config(config: Any) -> None:
     """What ``inference="server"`` needs from the collector's options (raised at construction)."""
     if config.num_workers == 0:
@@ -338,7 +401,7 @@ def check_server_config(config: Any) -> None:
             "inference='server' runs the policy in this process for worker processes; with num_workers=0 the "
             "policy runs in this process already: use inference='worker' (the default), or num_workers >= 1"
         )
-    if isinstance(config.policy_factory, tuple):
+    if isinstance(config.policy_factory, (list, tuple)):
         raise ConfigError(
             "inference='server' runs one policy for every worker; one policy_factory per worker needs "
             "inference='worker'"
@@ -350,4 +413,4 @@ def check_server_config(config: Any) -> None:
         )
 
 
-__all__ = ["InferenceServer", "check_server_config"]
+__all__ = ["InferenceServer", "check_server_config", "check_wrapping"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import threading
 from typing import TYPE_CHECKING
 
 import anyio
@@ -19,6 +18,7 @@ from ._launcher import get_launcher
 from ._layout import SlotLayout, frame_leaves
 from ._policy import PolicySpec, describe
 from ._producer import whole_slots
+from ._resource import in_own_thread
 from ._rollout import RolloutConfig
 from ._vector import learn_sub_envs
 from ._workers import LocalWorker, setup_process_slots, start_process_workers
@@ -30,29 +30,8 @@ if TYPE_CHECKING:
 async def import_in_thread(module: str) -> None:
     """Import ``module`` in a thread of its own that ends with the import, while the event loop
     keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
-    start; torch's import code still holds the GIL for up to ~0.1 s at times. (Not anyio's thread
-    pool: its idle thread would outlive the collector by seconds.)"""
-    done = anyio.Event()
-    token = anyio.lowlevel.current_token()
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            importlib.import_module(module)
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop below
-            failure.append(exc)
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
-        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
-            pass
-
-    thread = threading.Thread(target=target, name=f"aiocollect import {module}", daemon=True)
-    thread.start()
-    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
-        await done.wait()
-    thread.join()
-    if failure:
-        raise failure[0]
+    start; torch's import code still holds the GIL for up to ~0.1 s at times."""
+    await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}")
 
 
 def _free_unlent_slots(run: "Run") -> None:
@@ -133,7 +112,7 @@ async def launch_workers(run: "Run") -> None:
             )
     extras = specs[0]["extras"]
     if c.inference == "server":
-        extras = start_server(run, specs[0])
+        extras = await start_server(run, specs[0])
     leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras)
     T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
     run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
@@ -158,7 +137,7 @@ async def launch_workers(run: "Run") -> None:
         run.bar = make_bar(c.total_frames, run.frames)
 
 
-def start_server(run: "Run", spec: dict) -> list:
+async def start_server(run: "Run", spec: dict) -> list:
     """Server inference: the server for the workers' spaces (the policy built here from
     ``policy_factory`` if there is no ``policy``), its shared memory and each worker's link to
     it. Returns the policy's extra outputs (part of the batch layout)."""
@@ -167,9 +146,11 @@ def start_server(run: "Run", spec: dict) -> list:
     c = run.config
     policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
     server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type,
-                             c.devices["policy_device"])
+                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy)
     run.server = server
     extras = server.probe()
+    if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)
+        await in_own_thread(server.warm_up, "aiocollect server warm-up")
     server.allocate(extras)
     for w in run.workers:
         w.server_link = server.link(w.index)  # type: ignore[attr-defined]

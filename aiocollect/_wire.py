@@ -10,8 +10,12 @@ worker process, :mod:`aiocollect._worker`); every message is one of the frozen t
     W: Hello(pid)
     C: Config(payload)                 the cloudpickled RolloutConfig
     W: Spec(spec)                      the batch leaves: {"obs", "act", "extras", "weights"}
-    C: Slots(layout, weight_layout, free, heartbeat)   + fds: the slots' memfd (the heartbeat
-                                       areas follow the slots in it) and the weight store's
+                                       (server inference: and "act_space")
+    C: Slots(layout, weight_layout, free, heartbeat, server)   + fds: the slots' memfd (the
+                                       heartbeat areas follow the slots in it), the weight
+                                       store's, and with server inference the server's segment
+                                       and this worker's request and response eventfds
+                                       (:mod:`aiocollect._remote`: no message per step)
     C: Credit(n)                       collect n more batches
     C: Release(slot)                   the consumer is done with the slot: fill it again
     C: WeightsPublished()              applied now if the worker is idle, else at the boundary

@@ -85,11 +85,13 @@ class Half(torch.nn.Module):
 
 
 @cuda
-@pytest.mark.parametrize("storing_device", [None, "cuda"])
-async def test_server_on_cuda_gives_the_data_of_worker_inference(storing_device):
+@pytest.mark.parametrize("storing_device, wrap", [
+    (None, {}), ("cuda", {}), (None, {"cudagraph_policy": True}), (None, {"compile_policy": True}),
+], ids=["server", "storing", "cudagraph", "compile"])
+async def test_server_on_cuda_gives_the_data_of_worker_inference(storing_device, wrap):
     """policy_device="cuda" (the policy moved there), the same seed as worker inference on the
     CPU: the same frames; with storing_device="cuda" the batches are on the GPU; an update made on
-    the GPU is used (versions per frame)."""
+    the GPU is used (versions per frame); the same with CUDA graphs and with torch.compile."""
     async def collect(**kw):
         policy = Half()
         out = []
@@ -104,7 +106,7 @@ async def test_server_on_cuda_gives_the_data_of_worker_inference(storing_device)
         return out
 
     with anyio.fail_after(120):
-        gpu = await collect(inference="server", policy_device="cuda", storing_device=storing_device)
+        gpu = await collect(inference="server", policy_device="cuda", storing_device=storing_device, **wrap)
         cpu = await collect()
     for g, c in zip(gpu, cpu):
         for key in ("observation", "action", ("next", "observation"), ("collector", "policy_version")):

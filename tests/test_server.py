@@ -284,3 +284,41 @@ async def test_updates_before_the_first_batch_and_from_another_task():
     for b in batches:
         check_batch_rows(b)
     assert int(batches[-1]["collector", "policy_version"].max()) > 1
+
+
+async def test_compile_policy_runs_the_compiled_policy_from_the_start():
+    """compile_policy={"backend": "eager"} (torch.compile's compiler-free backend: this machine
+    need not have a C++ compiler): warmed up before collection for every number of rows a pass
+    can have, and the frames are those of the plain policy."""
+    calls = []
+
+    class Counting(Greedy):
+        def forward(self, observation):
+            calls.append(observation.shape[0])
+            return super().forward(observation)
+
+    torch.manual_seed(0)
+    policy = Counting()
+    with anyio.fail_after(120):
+        async with Collector("CartPole-v1", policy, frames_per_batch=2 * 2 * 8, total_frames=2 * 2 * 8 * 2,
+                             num_workers=2, envs_per_worker=2, inference="server", seed=0,
+                             compile_policy={"backend": "eager"}) as c:
+            await c.start()
+            assert {2, 4} <= set(calls), "warmed up for one worker's rows and both workers'"
+            batches = [b.clone() async for b in c]
+    for b in batches:
+        check_batch_rows(b)
+        with torch.no_grad():
+            assert torch.equal(b["action"], Greedy.forward(policy, b["observation"]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(compile_policy=True, inference="worker"), "use inference='server'"),
+    (dict(compile_policy="yes"), "must be False, True or a dict"),
+    (dict(cudagraph_policy=True), "needs the policy on a CUDA device"),
+])
+async def test_wrapping_options_it_refuses(kwargs, match):
+    args = dict(frames_per_batch=16, num_workers=1, inference="server") | kwargs
+    with anyio.fail_after(30), pytest.raises(ConfigError, match=match):
+        async with Collector("CartPole-v1", Greedy(), **args) as c:
+            await c.start()
