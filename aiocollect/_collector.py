@@ -141,6 +141,7 @@ class Collector(Service, BlockingMixin):
         policy_device: Any = None,
         env_device: Any = None,
         storing_device: Any = None,
+        env_batch_size: int | None = None,
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
     ) -> None:
@@ -180,6 +181,7 @@ class Collector(Service, BlockingMixin):
             policy_device=policy_device,
             env_device=env_device,
             storing_device=storing_device,
+            env_batch_size=env_batch_size,
             compile_policy=compile_policy,
             cudagraph_policy=cudagraph_policy,
         )

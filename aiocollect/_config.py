@@ -259,6 +259,11 @@ class CollectorConfig:
     the policy's parameters are."""
     env_device: Any = None
     """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
+    env_batch_size: int | None = None
+    """``inference="server"``: a forward pass waits until at least this many envs wait for actions
+    (whole workers' envs; or until every other worker is between batches), instead of serving
+    whoever waits at once (``None``). Larger passes for a GPU, without a slow worker stalling the
+    others for longer than it takes ``env_batch_size`` envs to be ready."""
     compile_policy: bool | dict = False
     """``inference="server"``: run the policy through ``torch.compile`` (``True``, or a dict of
     its keyword arguments); compiled during start-up, for every number of rows a forward pass can
@@ -323,6 +328,11 @@ class CollectorConfig:
             from ._server import check_server_config
 
             check_server_config(self)
+        elif self.env_batch_size is not None:
+            raise ConfigError(
+                f"env_batch_size={self.env_batch_size!r} sizes the inference server's forward passes; use "
+                f"inference='server' (worker inference runs one pass per worker over its own envs)"
+            )
         from ._server import check_wrapping
 
         check_wrapping(self)

@@ -36,6 +36,8 @@ import numpy as np
 from ._layout import _ALIGN, Leaf
 from ._peer import _Stop
 
+REQUEST = 1  # on a request eventfd: the observations are in the worker's rows
+IDLE = 2  # on a request eventfd (with env_batch_size): the worker ended its batch and may wait
 ACTIONS_READY = 1  # a response: the actions are in the worker's rows
 SERVER_STOPPED = 2  # a response: the server stopped (the collector closes, or the policy failed)
 
@@ -55,6 +57,7 @@ class ServerLayout:
     extras: tuple[Leaf, ...]
     workers: int
     rows: int  # env rows per worker
+    signal_idle: bool = False  # env_batch_size: workers say when they end a batch (IDLE)
 
     def _sizes(self) -> list[int]:
         leaves = self.obs + self.act + self.extras
@@ -106,6 +109,7 @@ class RemoteRunner:
         self.extras = [a[worker] for a in extras]
         self.extra_leaves = list(layout.extras)
         self.versions, self.worker = versions, worker
+        self.signal_idle = layout.signal_idle
         self.req_fd, self.resp_fd = req_fd, resp_fd
         self.poller = select.poll()
         self.poller.register(resp_fd, select.POLLIN)
@@ -119,7 +123,7 @@ class RemoteRunner:
     def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         for dst, src in zip(self.req, obs):
             np.copyto(dst, src)
-        os.eventfd_write(self.req_fd, 1)
+        os.eventfd_write(self.req_fd, REQUEST)
         resp_fd = self.resp_fd
         while True:
             for fd, _ in self.poller.poll():
@@ -135,6 +139,12 @@ class RemoteRunner:
         self.version = int(self.versions[self.worker])
         return self.env_actions.per_env(self.actions, self.num_envs), self.actions, self.extras
 
+    def idle(self) -> None:
+        """The batch is complete: with ``env_batch_size``, tell the server not to wait for this
+        worker's envs before its next request (it may wait for credit or a slot first)."""
+        if self.signal_idle:
+            os.eventfd_write(self.req_fd, IDLE)
+
     def close(self) -> None:
         if self._connected:
             self._connected = False
@@ -142,4 +152,4 @@ class RemoteRunner:
                 os.close(fd)
 
 
-__all__ = ["ACTIONS_READY", "SERVER_STOPPED", "RemoteRunner", "ServerLayout"]
+__all__ = ["ACTIONS_READY", "IDLE", "REQUEST", "SERVER_STOPPED", "RemoteRunner", "ServerLayout"]

@@ -379,6 +379,8 @@ class Rollout:
         for _ in self.fill(views, version):
             if tick is not None:
                 tick()
+        if self.runner.remote:
+            self.runner.idle()
         return self.episodes
 
     @property

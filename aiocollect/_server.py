@@ -32,7 +32,7 @@ import numpy as np
 from . import _shm
 from ._errors import ConfigError
 from ._layout import Leaf
-from ._remote import ACTIONS_READY, SERVER_STOPPED, ServerLayout
+from ._remote import ACTIONS_READY, REQUEST, SERVER_STOPPED, ServerLayout
 
 _FLAGS = os.EFD_CLOEXEC | os.EFD_NONBLOCK
 
@@ -46,7 +46,8 @@ class InferenceServer:
     waiting worker."""
 
     def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str,
-                 device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False) -> None:
+                 device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False,
+                 env_batch_size: int | None = None) -> None:
         from ._policy import PolicySpec, build_runner
 
         self.policy = policy
@@ -62,6 +63,15 @@ class InferenceServer:
         self._runners: dict[int, Any] = {}
         self._extra_keys: list[Any] = []
         self.compile, self.cudagraph = compile_policy, cudagraph_policy
+        # env_batch_size: a pass waits for this many rows, or for every worker that may still ask
+        self.min_rows = env_batch_size
+        if env_batch_size is not None and env_batch_size > workers * rows:
+            raise ConfigError(
+                f"env_batch_size={env_batch_size} but the workers have {workers * rows} envs in all ({workers} x {rows}: "
+                f"each sub-env of a vector env counts); use at most {workers * rows}"
+            )
+        self._pending: set[int] = set()  # workers whose request is not answered yet
+        self._idle = set(range(workers))  # workers between batches (they say so: IDLE)
         self._compiled: Any = None
         self.device = _place(policy, device)  # where the forward passes run
         if cudagraph_policy is not False and (self.device is None or self.device.type != "cuda"):
@@ -170,7 +180,8 @@ class InferenceServer:
 
     def allocate(self, extras: list[Leaf]) -> None:
         """The shared segment and the eventfds (every worker's, kept for replacements)."""
-        self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.workers, self.rows)
+        self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.workers, self.rows,
+                                   signal_idle=self.min_rows is not None)
         self.segment = _shm.allocate(self.layout.nbytes, f"aiocollect-{os.getpid()}-server")
         self.obs, self.act, self.extras, self.versions = self.layout.arrays(self.segment[1])
         self.req_fds = [os.eventfd(0, _FLAGS) for _ in range(self.workers)]
@@ -182,7 +193,8 @@ class InferenceServer:
         """What worker ``worker`` is given (its duplicates of the fds travel with its slots): the
         layout, and the segment's, its request's and its response's descriptors."""
         assert self.layout is not None and self.segment is not None
-        # a replacement starts afresh: no request or answer of its predecessor is left
+        # a replacement starts afresh: no request or answer of its predecessor is left (a request
+        # the server took already is answered into its rows: the replacement drains that answer)
         for fd in (self.req_fds[worker], self.resp_fds[worker]):
             try:
                 os.eventfd_read(fd)
@@ -217,18 +229,28 @@ class InferenceServer:
 
     def _serve_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds (-1: until something happens) for requests; answer
-        those that came with one forward pass. False once asked to stop."""
-        ready = []
+        those waiting with one forward pass: at once, or with ``env_batch_size`` once they hold
+        that many env rows or every other worker is between batches. False once asked to stop."""
+        pending, idle = self._pending, self._idle
         for fd, _ in self._poller.poll(timeout):
             if fd == self._stop_fd:
                 return False
             try:
-                os.eventfd_read(fd)
+                signals = os.eventfd_read(fd)  # (IDLE then REQUEST add up: the request is the news)
             except BlockingIOError:
                 continue
-            ready.append(self._by_fd[fd])
-        if ready:
-            self._serve_workers(sorted(ready))
+            w = self._by_fd[fd]
+            if signals & REQUEST:
+                pending.add(w)
+                idle.discard(w)
+            else:
+                idle.add(w)
+        if pending and (
+            self.min_rows is None or len(pending) * self.rows >= self.min_rows or len(pending) + len(idle) >= self.workers
+        ):
+            ready = sorted(pending)
+            pending.clear()
+            self._serve_workers(ready)
         return True
 
     def _serve_workers(self, ready: list[int]) -> None:
@@ -396,6 +418,12 @@ def check_wrapping(config: Any) -> None:
 
 def check_server_config(config: Any) -> None:
     """What ``inference="server"`` needs from the collector's options (raised at construction)."""
+    k = config.env_batch_size
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ConfigError(
+            f"env_batch_size={k!r} must be a positive int (at most the envs of all workers), or None (each forward "
+            f"pass serves whoever waits, at once)"
+        )
     if config.num_workers == 0:
         raise ConfigError(
             "inference='server' runs the policy in this process for worker processes; with num_workers=0 the "

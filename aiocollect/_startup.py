@@ -146,7 +146,7 @@ async def start_server(run: "Run", spec: dict) -> list:
     c = run.config
     policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
     server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type,
-                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy)
+                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size)
     run.server = server
     extras = server.probe()
     if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)

@@ -322,3 +322,62 @@ async def test_wrapping_options_it_refuses(kwargs, match):
     with anyio.fail_after(30), pytest.raises(ConfigError, match=match):
         async with Collector("CartPole-v1", Greedy(), **args) as c:
             await c.start()
+
+
+class Half(torch.nn.Module):
+    def forward(self, observation):
+        return (observation[..., 0] % 2).long()
+
+
+def fast_and_slow(flag: str):
+    """Envs of the first worker process to make one step at once; the other's take 2 ms a step
+    (CountingEnv's busy step_cost)."""
+    def make():
+        try:
+            fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        with open(flag) as f:
+            fast = f.read() == str(os.getpid())
+        return CountingEnv(episode_length=20, step_cost=0.0 if fast else 0.002)
+
+    return make
+
+
+@pytest.mark.parametrize("env_batch_size", [None, 2, 4])
+async def test_first_ready_passes_do_not_let_a_slow_worker_stall_a_fast_one(tmp_path, env_batch_size):
+    """Async delivery, one worker's envs much slower to step than the other's: served as they
+    come (None) or in passes of one worker's envs (env_batch_size=2), the fast worker delivers
+    most batches; with env_batch_size=4 (both workers' envs) every pass waits for the slow one,
+    so both deliver alike. Every frame's action is the policy's, and the run ends at total_frames
+    (the last passes do not wait for a worker that has finished)."""
+    with anyio.fail_after(60):
+        async with Collector(fast_and_slow(str(tmp_path / "fast")), Half(), frames_per_batch=2 * 10,
+                             total_frames=2 * 10 * 12, num_workers=2, envs_per_worker=2, inference="server",
+                             env_batch_size=env_batch_size, delivery="async", seed=0) as c:
+            batches = [b.clone() async for b in c]
+    assert len(batches) == 12
+    by_worker = [0, 0]
+    for b in batches:
+        assert torch.equal(b["action"], (b["observation"][..., 0] % 2).long())
+        by_worker[int(b["collector", "traj_ids"][0, 0]) % 4 // 2] += 1
+    if env_batch_size == 4:
+        assert max(by_worker) <= 8, f"batches per worker {by_worker}: a pass did not wait for both"
+    else:
+        assert max(by_worker) >= 9, f"batches per worker {by_worker}: the fast worker was held back"
+
+
+def test_env_batch_size_outside_server_inference_or_out_of_range_is_refused():
+    with pytest.raises(ConfigError, match="use inference='server'"):
+        Collector("CartPole-v1", Greedy(), frames_per_batch=16, env_batch_size=2)
+    with pytest.raises(ConfigError, match="positive int"):
+        Collector("CartPole-v1", Greedy(), frames_per_batch=16, inference="server", env_batch_size=0)
+
+
+async def test_env_batch_size_above_the_envs_is_refused_at_start():
+    with anyio.fail_after(30), pytest.raises(ConfigError, match="use at most 4"):
+        async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=2, envs_per_worker=2,
+                             inference="server", env_batch_size=5) as c:
+            await c.start()
