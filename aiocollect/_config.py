@@ -259,6 +259,10 @@ class CollectorConfig:
     the policy's parameters are."""
     env_device: Any = None
     """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
+    worker_groups: int = 1
+    """``inference="server"``: ``2`` splits each worker's envs into two groups that alternate, so
+    that the server computes one group's actions while the worker steps the other (rlpyt's
+    ``AlternatingSampler``); ``envs_per_worker`` must be even. Single envs only."""
     env_batch_size: int | None = None
     """``inference="server"``: a forward pass waits until at least this many envs wait for actions
     (whole workers' envs; or until every other worker is between batches), instead of serving
@@ -328,6 +332,11 @@ class CollectorConfig:
             from ._server import check_server_config
 
             check_server_config(self)
+        elif self.worker_groups != 1:
+            raise ConfigError(
+                f"worker_groups={self.worker_groups!r} alternates groups of envs around the inference server's "
+                f"forward passes; use inference='server' (with worker inference each worker acts for all its envs)"
+            )
         elif self.env_batch_size is not None:
             raise ConfigError(
                 f"env_batch_size={self.env_batch_size!r} sizes the inference server's forward passes; use "

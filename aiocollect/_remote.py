@@ -48,36 +48,37 @@ def _aligned(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ServerLayout:
-    """The server's shared memory: per leaf one array ``[workers, rows, *shape]`` (requests:
+    """The server's shared memory: per leaf one array ``[seats, rows, *shape]`` (requests:
     the observation leaves; responses: the action leaves and the policy's extra outputs), then
-    one int64 per worker, the policy version of its last response."""
+    one int64 per seat, the policy version of its last response. A seat is a worker's envs, or
+    one of its ``worker_groups`` groups of envs."""
 
     obs: tuple[Leaf, ...]
     act: tuple[Leaf, ...]
     extras: tuple[Leaf, ...]
-    workers: int
-    rows: int  # env rows per worker
+    seats: int
+    rows: int  # env rows per seat
     signal_idle: bool = False  # env_batch_size: workers say when they end a batch (IDLE)
 
     def _sizes(self) -> list[int]:
         leaves = self.obs + self.act + self.extras
-        return [self.workers * self.rows * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
+        return [self.seats * self.rows * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
                 for leaf in leaves]
 
     @property
     def nbytes(self) -> int:
-        return sum(_aligned(n) for n in self._sizes()) + 8 * self.workers
+        return sum(_aligned(n) for n in self._sizes()) + 8 * self.seats
 
     def arrays(self, buf: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], np.ndarray]:
         """Views on ``buf`` (a mapping of the segment): the request leaves, the action leaves,
-        the extra leaves (each ``[workers, rows, ...]``) and the versions (``[workers]``)."""
+        the extra leaves (each ``[seats, rows, ...]``) and the versions (``[seats]``)."""
         out: list[np.ndarray] = []
         pos = 0
         for leaf, n in zip(self.obs + self.act + self.extras, self._sizes()):
             out.append(np.frombuffer(buf, leaf.np_dtype, n // leaf.np_dtype.itemsize, pos)
-                       .reshape((self.workers, self.rows) + leaf.shape))
+                       .reshape((self.seats, self.rows) + leaf.shape))
             pos += _aligned(n)
-        versions = np.frombuffer(buf, np.int64, self.workers, pos)
+        versions = np.frombuffer(buf, np.int64, self.seats, pos)
         k, a = len(self.obs), len(self.act)
         return out[:k], out[k : k + a], out[k + a :], versions
 
@@ -102,13 +103,14 @@ class RemoteRunner:
     def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
         return []  # the server's policy tells the collector its extra outputs
 
-    def connect(self, layout: ServerLayout, mapping: Any, worker: int, req_fd: int, resp_fd: int, sock: Any) -> None:
+    def connect(self, layout: ServerLayout, mapping: Any, seat: int, req_fd: int, resp_fd: int, sock: Any) -> None:
         obs, act, extras, versions = layout.arrays(mapping)
-        self.req = [a[worker] for a in obs]
-        self.actions = [a[worker] for a in act]
-        self.extras = [a[worker] for a in extras]
+        self.req = [a[seat] for a in obs]
+        self.actions = [a[seat] for a in act]
+        self.extras = [a[seat] for a in extras]
         self.extra_leaves = list(layout.extras)
-        self.versions, self.worker = versions, worker
+        self.versions, self.seat = versions, seat
+        self.in_flight = False  # a request sent ahead (ahead()) whose answer act() takes
         self.signal_idle = layout.signal_idle
         self.req_fd, self.resp_fd = req_fd, resp_fd
         self.poller = select.poll()
@@ -120,10 +122,22 @@ class RemoteRunner:
         except BlockingIOError:
             pass
 
-    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+    def ahead(self, obs: list[np.ndarray]) -> None:
+        """Ask for the actions of the next step's observations ``obs`` now (they are final): the
+        server computes them while this process does something else (``worker_groups``: steps
+        its other group of envs); the next :meth:`act` takes the answer."""
         for dst, src in zip(self.req, obs):
             np.copyto(dst, src)
         os.eventfd_write(self.req_fd, REQUEST)
+        self.in_flight = True
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if self.in_flight:  # asked ahead, for these same observations
+            self.in_flight = False
+        else:
+            for dst, src in zip(self.req, obs):
+                np.copyto(dst, src)
+            os.eventfd_write(self.req_fd, REQUEST)
         resp_fd = self.resp_fd
         while True:
             for fd, _ in self.poller.poll():
@@ -136,7 +150,7 @@ class RemoteRunner:
                 continue  # (only the socket was readable)
         if answer != ACTIONS_READY:
             raise _Stop  # the server stopped: so does this worker (the collector knows why)
-        self.version = int(self.versions[self.worker])
+        self.version = int(self.versions[self.seat])
         return self.env_actions.per_env(self.actions, self.num_envs), self.actions, self.extras
 
     def idle(self) -> None:

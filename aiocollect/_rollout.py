@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -46,6 +46,8 @@ class RolloutConfig:
     registry: tuple = ()  # _registry.snapshot() of the collector's process, installed before the envs are made
     check_finite: bool = False  # SpecError on NaN/inf in observations, rewards and policy actions
     action_bounds: ActionBounds = "pass"  # Box actions outside their bounds: "pass", "clip" or "error"
+    worker_groups: int = 1  # server inference: groups of envs that alternate (see _groups)
+    ahead: bool = False  # server inference: ask for the next step's actions as soon as its obs are final
 
 
 def derived_seed(seed: int, env: int, restart: int) -> int:
@@ -158,9 +160,10 @@ class Rollout:
             return self.runner.version
         return 0 if self.weights is None else self.weights.version
 
-    def connect_server(self, layout: Any, mapping: Any, req_fd: int, resp_fd: int, sock: Any, drain: Any) -> None:
-        """Server inference: the server's segment and this worker's eventfds (see
-        :mod:`aiocollect._remote`); the policy's extra outputs are the server's."""
+    def connect_server(self, layout: Any, mapping: Any, fds: Sequence[int], sock: Any, drain: Any) -> None:
+        """Server inference: the server's segment and this worker's request and response eventfds
+        ``fds`` (see :mod:`aiocollect._remote`); the policy's extra outputs are the server's."""
+        req_fd, resp_fd = fds
         self.runner.connect(layout, mapping, self.cfg.worker, req_fd, resp_fd, sock)
         self.runner.on_socket = drain
         self.extra_leaves = list(layout.extras)
@@ -359,6 +362,8 @@ class Rollout:
                 self._new_traj(i)
                 self._set_obs(i, obs, into=cur)
             self.steps += 1
+            if cfg.ahead and t + 1 < T and self.steps >= cfg.random_steps:
+                self.runner.ahead(cur)  # (worker_groups: computed while the other group steps)
             yield
         env_time += clock() - t_env
         if hb is not None:

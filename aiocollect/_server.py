@@ -40,18 +40,19 @@ SERVE_IN = "thread"  # or "loop": benchmarks/inference.py --serve-in measures bo
 
 
 class InferenceServer:
-    """Serves one run's workers (``workers`` seats of ``rows`` env rows each). Made once the
+    """Serves one run's workers: ``seats`` of ``rows`` env rows each (a seat is a worker, or one
+    of its ``worker_groups`` groups of envs, with its own request and answer). Made once the
     workers reported their spaces; :meth:`probe` finds the policy's extra outputs (they are part
     of the batch layout), :meth:`start` starts the thread, :meth:`stop` ends it and wakes every
     waiting worker."""
 
-    def __init__(self, policy: Any, spec: dict, workers: int, rows: int, exploration_type: str,
+    def __init__(self, policy: Any, spec: dict, seats: int, rows: int, exploration_type: str,
                  device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False,
                  env_batch_size: int | None = None) -> None:
         from ._policy import PolicySpec, build_runner
 
         self.policy = policy
-        self.workers, self.rows = workers, rows
+        self.seats, self.rows = seats, rows
         self.obs_leaves: list[Leaf] = spec["obs"]
         self.act_leaves: list[Leaf] = spec["act"]
         self.act_space = spec["act_space"]
@@ -65,13 +66,13 @@ class InferenceServer:
         self.compile, self.cudagraph = compile_policy, cudagraph_policy
         # env_batch_size: a pass waits for this many rows, or for every worker that may still ask
         self.min_rows = env_batch_size
-        if env_batch_size is not None and env_batch_size > workers * rows:
+        if env_batch_size is not None and env_batch_size > seats * rows:
             raise ConfigError(
-                f"env_batch_size={env_batch_size} but the workers have {workers * rows} envs in all ({workers} x {rows}: "
-                f"each sub-env of a vector env counts); use at most {workers * rows}"
+                f"env_batch_size={env_batch_size} but the workers have {seats * rows} envs in all (each sub-env of a "
+                f"vector env counts); use at most {seats * rows}"
             )
-        self._pending: set[int] = set()  # workers whose request is not answered yet
-        self._idle = set(range(workers))  # workers between batches (they say so: IDLE)
+        self._pending: set[int] = set()  # seats whose request is not answered yet
+        self._idle = set(range(seats))  # seats between batches (their worker says so: IDLE)
         self._compiled: Any = None
         self.device = _place(policy, device)  # where the forward passes run
         if cudagraph_policy is not False and (self.device is None or self.device.type != "cuda"):
@@ -144,7 +145,7 @@ class InferenceServer:
 
         passes = 3 if self.cudagraph is not False else 1
         with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.cuda else []), self._on_stream():
-            for k in range(1, self.workers + 1):
+            for k in range(1, self.seats + 1):
                 zeros = [np.zeros((k * self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
                 for _ in range(passes):
                     self._runner(k * self.rows).act(zeros)
@@ -180,27 +181,30 @@ class InferenceServer:
 
     def allocate(self, extras: list[Leaf]) -> None:
         """The shared segment and the eventfds (every worker's, kept for replacements)."""
-        self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.workers, self.rows,
+        self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.seats, self.rows,
                                    signal_idle=self.min_rows is not None)
         self.segment = _shm.allocate(self.layout.nbytes, f"aiocollect-{os.getpid()}-server")
         self.obs, self.act, self.extras, self.versions = self.layout.arrays(self.segment[1])
-        self.req_fds = [os.eventfd(0, _FLAGS) for _ in range(self.workers)]
-        self.resp_fds = [os.eventfd(0, _FLAGS) for _ in range(self.workers)]
+        self.req_fds = [os.eventfd(0, _FLAGS) for _ in range(self.seats)]
+        self.resp_fds = [os.eventfd(0, _FLAGS) for _ in range(self.seats)]
         self._stop_fd = os.eventfd(0, _FLAGS)
         self.failed_fd = os.eventfd(0, _FLAGS)
 
-    def link(self, worker: int) -> tuple[ServerLayout, tuple[int, int, int]]:
+    def link(self, worker: int, groups: int = 1) -> tuple[ServerLayout, tuple[int, ...]]:
         """What worker ``worker`` is given (its duplicates of the fds travel with its slots): the
-        layout, and the segment's, its request's and its response's descriptors."""
+        layout, and the segment's descriptor, then its seats' request and response descriptors
+        (one pair per group of its envs)."""
         assert self.layout is not None and self.segment is not None
-        # a replacement starts afresh: no request or answer of its predecessor is left (a request
-        # the server took already is answered into its rows: the replacement drains that answer)
-        for fd in (self.req_fds[worker], self.resp_fds[worker]):
+        fds = [self.segment[0]]
+        for seat in range(worker * groups, (worker + 1) * groups):
+            # a replacement starts afresh: no request of its predecessor is left (an answer to one
+            # the server took already is drained by the replacement when it connects)
             try:
-                os.eventfd_read(fd)
+                os.eventfd_read(self.req_fds[seat])
             except BlockingIOError:
                 pass
-        return self.layout, (self.segment[0], self.req_fds[worker], self.resp_fds[worker])
+            fds += [self.req_fds[seat], self.resp_fds[seat]]
+        return self.layout, tuple(fds)
 
     def start(self) -> None:
         """Start serving: in a thread of its own (``SERVE_IN="thread"``, the default), or as
@@ -246,7 +250,7 @@ class InferenceServer:
             else:
                 idle.add(w)
         if pending and (
-            self.min_rows is None or len(pending) * self.rows >= self.min_rows or len(pending) + len(idle) >= self.workers
+            self.min_rows is None or len(pending) * self.rows >= self.min_rows or len(pending) + len(idle) >= self.seats
         ):
             ready = sorted(pending)
             pending.clear()
@@ -256,7 +260,7 @@ class InferenceServer:
     def _serve_workers(self, ready: list[int]) -> None:
         """One forward pass over the rows of the workers ``ready`` (sorted); their answers."""
         rows = self.rows
-        whole = len(ready) == self.workers
+        whole = len(ready) == self.seats
         if whole:  # every worker asked: their rows are one contiguous array already
             inputs = [a.reshape((-1,) + a.shape[2:]) for a in self.obs]
         else:
@@ -418,6 +422,14 @@ def check_wrapping(config: Any) -> None:
 
 def check_server_config(config: Any) -> None:
     """What ``inference="server"`` needs from the collector's options (raised at construction)."""
+    g = config.worker_groups
+    if isinstance(g, bool) or g not in (1, 2):
+        raise ConfigError(f"worker_groups={g!r} must be 1 or 2")
+    if g == 2 and (not isinstance(config.envs_per_worker, int) or config.envs_per_worker % 2):
+        raise ConfigError(
+            f"worker_groups=2 splits each worker's envs into two equal groups: envs_per_worker={config.envs_per_worker!r} "
+            f"must be even; use envs_per_worker={config.envs_per_worker + 1 if isinstance(config.envs_per_worker, int) else 2}"
+        )
     k = config.env_batch_size
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ConfigError(

@@ -145,7 +145,8 @@ async def start_server(run: "Run", spec: dict) -> list:
 
     c = run.config
     policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
-    server = InferenceServer(policy, spec, len(run.workers), run.rows_per_worker, c.exploration_type,
+    groups = c.worker_groups
+    server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
                              c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size)
     run.server = server
     extras = server.probe()
@@ -153,7 +154,7 @@ async def start_server(run: "Run", spec: dict) -> list:
         await in_own_thread(server.warm_up, "aiocollect server warm-up")
     server.allocate(extras)
     for w in run.workers:
-        w.server_link = server.link(w.index)  # type: ignore[attr-defined]
+        w.server_link = server.link(w.index, groups)  # type: ignore[attr-defined]
     return extras
 
 
@@ -199,6 +200,7 @@ def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutC
             registry=registry,
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,
+            worker_groups=c.worker_groups,
         )
         for i in range(c.workers)
     ]

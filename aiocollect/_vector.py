@@ -70,12 +70,22 @@ def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> Rollout:
     install_registry(cfg.registry)  # ids registered in the user's process can be made here
     env = create_env(cfg.env_fn, cfg.env_kwargs)
     if is_vector(env):
+        if cfg.worker_groups > 1:
+            close_envs([env])
+            raise ConfigError(
+                f"worker_groups={cfg.worker_groups} splits a worker's envs into groups that step in turn; a vector env "
+                f"steps all its sub-envs at once: use worker_groups=1 with vector envs"
+            )
         return VectorRollout(cfg, local_policy, env)
     try:
         env = make_env(cfg.env_fn, cfg.env_kwargs, env)
     except BaseException:
         close_envs([env])
         raise
+    if cfg.worker_groups > 1:
+        from ._groups import GroupedRollout
+
+        return GroupedRollout(cfg, env)
     return Rollout(cfg, local_policy, env)
 
 

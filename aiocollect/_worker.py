@@ -78,13 +78,14 @@ class Worker(Peer):
 
     def _map(self, layout: Any, weight_layout: Any, watch: bool, fds: list[int], server: Any = None) -> Any:
         """Map the slots (and the heartbeat areas after them, one per worker); take the weight
-        store; with server inference connect to the server (its segment, request and response
-        eventfds: the last three fds, the eventfds kept by the rollout's runner)."""
+        store; with server inference connect to the server (its segment, then a request and a
+        response eventfd per group of envs: the last fds; the eventfds are kept by the runners)."""
         try:
             if server is not None:
-                seg, req, resp = fds[-3:]
-                del fds[-2:]  # (the segment's fd is closed with the others once mapped)
-                self.rollout.connect_server(server, mmap.mmap(seg, server.nbytes), req, resp, self.sock, self.drain)
+                n = 2 * self.rollout.cfg.worker_groups
+                seg, pairs = fds[-n - 1], fds[-n:]
+                del fds[-n:]  # (the segment's fd is closed with the others once mapped)
+                self.rollout.connect_server(server, mmap.mmap(seg, server.nbytes), pairs, self.sock, self.drain)
             mm = mmap.mmap(fds[0], layout.nbytes + layout.workers * _heartbeat.NBYTES)
             if weight_layout is not None:
                 from ._weights import map_store

@@ -9,6 +9,9 @@ once for ``--seconds`` after ``--warmup``, so a drift of the shared machine touc
   x ``--pong-envs`` envs. Needs ``ale-py`` and OpenCV (``pip install -e .[atari]``); skipped
   cleanly without them.
 
+"server, 2 groups" is the server with ``worker_groups=2`` (each worker's envs in two groups that
+alternate: one steps while the server computes the other's actions).
+
 With ``--serve-in-loop`` the server is also measured as a task on the event loop instead of its
 own thread (the choice ``docs/inference.md`` explains).
 
@@ -24,7 +27,7 @@ With ``--device cuda`` (a machine with a CUDA GPU): the Pong case with ``--gpu-e
 on the GPU (its own stream, pinned staging): frames per second, the loop's lag, the time per
 forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can read it (pynvml).
 
-Not here yet: ``worker_groups=2``, first-ready batches (``env_batch_size``), ``cudagraph_policy``.
+Not here yet: ``env_batch_size`` and ``cudagraph_policy`` setups.
 """
 
 from __future__ import annotations
@@ -76,11 +79,13 @@ def pong_problem() -> str | None:
     return None
 
 
-SETUPS = {  # name: (inference, where the server serves, policy_device)
-    "worker": ("worker", None, None),
-    "server": ("server", "thread", None),
-    "server on the loop": ("server", "loop", None),
-    "server on cuda": ("server", "thread", "cuda"),
+SETUPS = {  # name: (inference, where the server serves, policy_device, worker_groups)
+    "worker": ("worker", None, None, 1),
+    "server": ("server", "thread", None, 1),
+    "server, 2 groups": ("server", "thread", None, 2),
+    "server on the loop": ("server", "loop", None, 1),
+    "server on cuda": ("server", "thread", "cuda", 1),
+    "cuda, 2 groups": ("server", "thread", "cuda", 2),
 }
 
 
@@ -91,7 +96,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     import aiocollect._server
     from aiocollect import Collector
 
-    inference, serve_in, device = SETUPS[setup]
+    inference, serve_in, device, groups = SETUPS[setup]
     if serve_in is not None:
         aiocollect._server.SERVE_IN = serve_in
     if device is None:
@@ -100,7 +105,8 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     frames = 0
     lags: list[float] = []
     async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
-                         envs_per_worker=envs, inference=inference, seed=0, policy_device=device) as c:
+                         envs_per_worker=envs, inference=inference, seed=0, policy_device=device,
+                         worker_groups=groups) as c:
         it = aiter(c)
         await anext(it)  # started, and warm
         t_end = time.perf_counter() + args.warmup
@@ -151,7 +157,7 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
              setups: list[str] | None = None) -> dict:
     import anyio
 
-    setups = setups or ["worker", "server"] + (["server on the loop"] if args.serve_in_loop else [])
+    setups = setups or ["worker", "server", "server, 2 groups"] + (["server on the loop"] if args.serve_in_loop else [])
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
     for r in range(args.rounds):
         for setup in setups:
@@ -241,7 +247,7 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
         envs = max(total // args.workers, 1)
         torch.manual_seed(0)
         tables[total] = run_case(f"pong {total} envs", make_pong, NatureCNN(), args, envs, args.pong_steps,
-                                 setups=["worker", "server on cuda"])
+                                 setups=["worker", "server on cuda", "cuda, 2 groups"])
     for total, table in tables.items():
         print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {max(total // args.workers, 1)} "
                     f"envs: worker inference (CPU) against the server on CUDA", table)

@@ -19,7 +19,7 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from aiocollect import Collector, ConfigError
-from aiocollect.events import WeightsApplied, WorkerRestarted
+from aiocollect.events import EpisodeEnded, WeightsApplied, WorkerRestarted
 from aiocollect.testing import CountingEnv
 
 from test_user_programs import Greedy, check_batch, train
@@ -381,3 +381,59 @@ async def test_env_batch_size_above_the_envs_is_refused_at_start():
         async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=2, envs_per_worker=2,
                              inference="server", env_batch_size=5) as c:
             await c.start()
+
+
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_worker_groups_give_the_data_of_worker_inference(delivery):
+    """worker_groups=2 (each worker's 4 envs in two groups that step in turn, each asking for its
+    next actions while the other steps): with the same seed and a deterministic policy, every
+    frame is the one worker inference collects (sync: batch for batch; async: the same frames per
+    env), and the episodes' events are the same."""
+    async def run(**kw):
+        torch.manual_seed(0)
+        policy = Greedy()
+        events: list[EpisodeEnded] = []
+        c = Collector("CartPole-v1", policy, frames_per_batch=2 * 4 * 12, total_frames=2 * 4 * 12 * 4, seed=5,
+                      num_workers=2, envs_per_worker=4, delivery=delivery, prefetch=0, **kw)
+        c.on(EpisodeEnded, events.append)
+        out = []
+        async with c:
+            async for batch in c:
+                out.append(batch.clone())
+        return out, events
+
+    with anyio.fail_after(60):
+        grouped, grouped_events = await run(inference="server", worker_groups=2)
+        plain, plain_events = await run()
+
+    def frames(batches):
+        rows = {}
+        for b in batches:
+            for r in range(b.batch_size[0]):
+                env = int(b["collector", "traj_ids"][r, 0]) % 8
+                rows.setdefault(env, []).append(torch.cat([b["observation"][r], b["action"][r, :, None].float()], -1))
+        return {env: torch.cat(parts) for env, parts in rows.items()}
+
+    for b in grouped:
+        check_batch_rows(b)
+    g, p = frames(grouped), frames(plain)
+    assert g.keys() == p.keys() == set(range(8))
+    for env in g:  # (async: workers deliver different numbers of batches; each env's frames agree)
+        n = min(len(g[env]), len(p[env]))
+        assert n >= 12 and torch.equal(g[env][:n], p[env][:n]), f"env {env}"
+    if delivery == "sync":
+        for a, b in zip(grouped, plain):
+            assert torch.equal(a["observation"], b["observation"]) and torch.equal(a["action"], b["action"])
+        key = lambda e: (e.env, e.traj_id, e.length, e.ret)  # noqa: E731
+        assert sorted(map(key, grouped_events)) == sorted(map(key, plain_events)) and grouped_events
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(worker_groups=2, envs_per_worker=3), "must be even"),
+    (dict(worker_groups=3, envs_per_worker=6), "must be 1 or 2"),
+    (dict(worker_groups=2, envs_per_worker=2, inference="worker"), "use inference='server'"),
+])
+def test_worker_groups_options_it_refuses(kwargs, match):
+    args = dict(frames_per_batch=12, num_workers=1, inference="server") | kwargs
+    with pytest.raises(ConfigError, match=match):
+        Collector("CartPole-v1", Greedy(), **args)
