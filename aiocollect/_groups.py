@@ -10,8 +10,11 @@ next step's actions as soon as its observations are final (``RolloutConfig.ahead
 then steps the other group, whose actions the server computed meanwhile. So with two groups a step
 of the worker costs the longer of stepping a group and a forward pass, rather than their sum.
 
-This is the synchronisation variant of rlpyt's sampler in which each group waits only for its own
-actions (not a barrier across all workers per step): a group steps as soon as its answer is there.
+Of rlpyt's two synchronisation variants this is ``NoOverlapAlternatingSampler``'s: a group steps
+once its actions are ready *and* the other group finished its step (in one process the two never
+step at the same time; rlpyt's ``AlternatingSampler`` lets them overlap, in separate processes).
+Unlike rlpyt's action server, ours does not wait for every worker's group before a forward pass:
+it serves the groups that asked (``env_batch_size`` makes it wait for more).
 
 Imported by worker processes: numpy and gymnasium only.
 """
