@@ -347,7 +347,7 @@ class Collector(Service, BlockingMixin):
         """Counters and timing so far: frames, batches, frames per second, episodes and their
         mean return, worker restarts, and seconds spent per stage (see :class:`CollectorStats`)."""
         run = self._run
-        return run.stats.snapshot(run.frames, run.batches)
+        return run.stats.snapshot(run.frames, run.batches, run.server)
 
     # -- seeding and state ------------------------------------------------------------------------
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

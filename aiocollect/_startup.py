@@ -63,6 +63,7 @@ async def stop_workers(run: "Run") -> None:
     finally:
         run.sync.close()
         if run.server is not None:  # (after the workers: none waits for an answer now)
+            run.stats.server = run.stats.server_totals(run.server)
             run.server.stop()
             run.server = None
         if run.segment is not None:  # (the mapping stays while batch views use it)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Mapping
+from typing import Any, Mapping
 
 from ._wire import BatchInfo
 
@@ -37,6 +37,10 @@ class CollectorStats:
     which go back to the workers once nothing refers to the batch) or, with ``zero_copy``,
     views held until the next batch is asked for. Batches are copied when every slot that may be
     lent is held by batches the consumer keeps, and for ``trajs_per_batch``."""
+    server: Mapping[str, float] | None = None
+    """``inference="server"``: the inference server's totals since start: ``"passes"`` (forward
+    passes), ``"rows"`` (env rows served), ``"seconds"`` (in forward passes, copies in and out
+    included); rows per pass and time per pass follow. ``None`` with worker inference."""
 
 
 class Stats:
@@ -49,6 +53,11 @@ class Stats:
         self.copied = 0
         self.returns: deque[float] = deque(maxlen=100)
         self.timing = {"env": 0.0, "policy": 0.0, "wait": 0.0, "delivery": 0.0}
+        self.server: dict[str, float] | None = None  # the inference server's totals when it stopped
+
+    @staticmethod
+    def server_totals(server: Any) -> dict[str, float]:
+        return {"passes": float(server.forward_passes), "rows": float(server.rows_served), "seconds": server.busy}
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -68,7 +77,7 @@ class Stats:
     def mean_return(self) -> float | None:
         return sum(self.returns) / len(self.returns) if self.returns else None
 
-    def snapshot(self, frames: int, batches: int) -> CollectorStats:
+    def snapshot(self, frames: int, batches: int, server: Any = None) -> CollectorStats:
         seconds = 0.0 if self.t0 is None else time.perf_counter() - self.t0
         return CollectorStats(
             frames=frames,
@@ -80,4 +89,5 @@ class Stats:
             timing=dict(self.timing),
             restarts=self.restarts,
             batches_copied=self.copied,
+            server=self.server if server is None else self.server_totals(server),
         )

@@ -120,10 +120,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
                 await anyio.sleep(0.001)
                 lags.append(time.perf_counter() - t0 - 0.001)
 
-        server = c._run.server
-        passes0 = server.forward_passes if server is not None else 0
-        rows0 = server.rows_served if server is not None else 0
-        busy0 = server.busy if server is not None else 0.0
+        first = c.stats().server  # the server's totals (None with worker inference)
         gpu: list[float] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)
@@ -136,11 +133,12 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
             elapsed = time.perf_counter() - t0
             measuring = False
         out: dict[str, Any] = {"fps": frames / elapsed, "lag_ms": percentiles_ms(lags, (50, 99))}
-        if server is not None:
-            passes = server.forward_passes - passes0
+        last = c.stats().server
+        if first is not None and last is not None:
+            passes = last["passes"] - first["passes"]
             out["passes_per_s"] = passes / elapsed
-            out["rows_per_pass"] = (server.rows_served - rows0) / max(passes, 1)
-            out["ms_per_pass"] = (server.busy - busy0) / max(passes, 1) * 1e3
+            out["rows_per_pass"] = (last["rows"] - first["rows"]) / max(passes, 1)
+            out["ms_per_pass"] = (last["seconds"] - first["seconds"]) / max(passes, 1) * 1e3
         if gpu and all(g >= 0 for g in gpu):
             out["gpu_util"] = statistics.mean(gpu)
     return out

@@ -363,8 +363,11 @@ async def test_first_ready_passes_do_not_let_a_slow_worker_stall_a_fast_one(tmp_
     for b in batches:
         assert torch.equal(b["action"], (b["observation"][..., 0] % 2).long())
         by_worker[int(b["collector", "traj_ids"][0, 0]) % 4 // 2] += 1
+    server = c.stats().server  # (the server's totals, kept after the run)
+    assert server is not None and server["rows"] >= 240 and server["seconds"] > 0
     if env_batch_size == 4:
         assert max(by_worker) <= 8, f"batches per worker {by_worker}: a pass did not wait for both"
+        assert server["rows"] / server["passes"] > 3, "passes did not wait for both workers' envs"
     else:
         assert max(by_worker) >= 9, f"batches per worker {by_worker}: the fast worker was held back"
 
