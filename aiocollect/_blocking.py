@@ -27,6 +27,10 @@ class BlockingMixin:
     _run: Run
     _portal: "Portal"
     _in_with: bool
+    if TYPE_CHECKING:  # (provided by the collector)
+        async def start(self) -> None: ...
+        async def collect(self) -> Any: ...
+        async def aclose(self) -> None: ...
 
     def _blocking(self, what: str) -> Any:
         """The portal, refusing to block a running event loop."""

@@ -490,7 +490,7 @@ class CollectorConfig:
     def factory_for(self, worker: int) -> Callable[[], Any] | None:
         """The policy factory of ``worker`` (``None``: the workers copy ``policy``)."""
         f = self.policy_factory
-        return f[worker] if isinstance(f, tuple) else f
+        return f[worker] if isinstance(f, (list, tuple)) else f  # type: ignore[return-value]
 
     @property
     def workers(self) -> int:

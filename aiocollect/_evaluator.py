@@ -230,7 +230,7 @@ class Evaluator(Service):
     def __del__(self) -> None:
         run = getattr(self, "_run", None)
         proc = None if run is None else run.proc
-        if proc is None or run.state is EvaluatorState.CLOSED and run.done.is_set():
+        if run is None or proc is None or run.state is EvaluatorState.CLOSED and run.done.is_set():
             return
         warn_unclosed(repr(self), "Evaluator")
         try:

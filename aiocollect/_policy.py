@@ -125,6 +125,7 @@ class RandomRunner:
     uses_torch = False
     model = None  # no weights to synchronise
     remote = False
+    version = 0  # (runners' common interface; a remote runner's is its server's)
 
     def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
         self.spaces = action_spaces

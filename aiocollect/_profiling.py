@@ -67,31 +67,30 @@ class ProfileConfig:
                 f"num_rollouts={self.num_rollouts} must be greater than warmup_rollouts="
                 f"{self.warmup_rollouts}: nothing would be recorded"
             )
-        given = self.activities
-        activities = _sequence(given, str)
+        activities = _sequence(self.activities, str)
         if not activities or any(not isinstance(a, str) or a not in ACTIVITIES for a in activities):
-            raise ConfigError(f"activities={given!r} must be a non-empty subset of {list(ACTIVITIES)}")
+            raise ConfigError(f"activities={self.activities!r} must be a non-empty subset of {list(ACTIVITIES)}")
         object.__setattr__(self, "activities", activities)
         for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "profile_collector"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        given = self.save_path
-        if isinstance(given, os.PathLike):
-            object.__setattr__(self, "save_path", os.fspath(given))
+        path = self.save_path
+        if isinstance(path, os.PathLike):
+            object.__setattr__(self, "save_path", os.fspath(path))
         if not isinstance(self.save_path, str):
-            raise ConfigError(f"save_path={given!r} must be a str (or a path), e.g. 'traces/worker_{{worker_idx}}.json'")
+            raise ConfigError(f"save_path={path!r} must be a str (or a path), e.g. 'traces/worker_{{worker_idx}}.json'")
         try:
             for worker_idx in (0, "collector"):  # what path_for is given
                 self.save_path.format(worker_idx=worker_idx)
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
             raise ConfigError(
-                f"save_path={given!r} is not a format string whose only field is '{{worker_idx}}' "
+                f"save_path={path!r} is not a format string whose only field is '{{worker_idx}}' "
                 f"({type(exc).__name__}: {exc}); write a literal brace as '{{{{' or '}}}}'"
             ) from None
         fields = {field for _, field, _, _ in string.Formatter().parse(self.save_path) if field is not None}
         if "worker_idx" not in fields and len(workers) + int(self.profile_collector) > 1:
             raise ConfigError(
-                f"save_path={given!r} needs a '{{worker_idx}}' placeholder: several processes are "
+                f"save_path={path!r} needs a '{{worker_idx}}' placeholder: several processes are "
                 f"profiled and would overwrite each other's trace"
             )
         if self.on_trace_ready is not None and not callable(self.on_trace_ready):

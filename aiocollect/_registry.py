@@ -68,7 +68,7 @@ def _plain(obj: Any) -> bool:
 
 def _resolve_main(spec: EnvSpec) -> EnvSpec:
     """The spec with ``"__main__:Name"`` entry points replaced by the objects they name here."""
-    changes = {}
+    changes: dict[str, Any] = {}
     for field in ("entry_point", "vector_entry_point"):
         value = getattr(spec, field)
         if isinstance(value, str) and value.startswith("__main__:"):

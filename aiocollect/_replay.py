@@ -56,11 +56,12 @@ def _batch_leaves(
     data: TensorDictBase
 ) -> tuple[list[tuple[Key, torch.Tensor]], torch.Tensor | None]:
     """The batch's tensor leaves to store, and its ('collector', 'mask') if any."""
-    leaves = []
+    leaves: list[tuple[Key, torch.Tensor]] = []
     mask = None
     items = data.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
-    for key, value in items:
-        key = as_key(key)
+    for name, item in items:
+        key = as_key(name)
+        value: Any = item  # (a tensor once the checks below passed)
         if is_non_tensor(value):
             raise SpecError(
                 f"ReplayBuffer.extend: entry {key!r} holds non-tensor data, which the buffer "
@@ -359,7 +360,7 @@ class ReplayBuffer:
     def _set_storage(self, storage: TensorDict) -> None:
         self._storage = storage
         self._columns = {
-            as_key(k): v for k, v in storage.items(include_nested=True, leaves_only=True)
+            as_key(k): v for k, v in storage.items(include_nested=True, leaves_only=True)  # type: ignore[misc]
         }
 
     # -- sampling -------------------------------------------------------------------------------
@@ -393,6 +394,7 @@ class ReplayBuffer:
         padding = index < 0
         padded = bool(padding.any())
         rows = index.clamp(min=0) if padded else index
+        assert self._storage is not None  # (the size check above: something was stored)
         out = self._storage[rows.to(self._device)]
         if padded:
             out.masked_fill_(padding.to(self._device), 0)
@@ -402,6 +404,7 @@ class ReplayBuffer:
         return out
 
     def _frames(self) -> StoredFrames:
+        assert self._storage is not None
         return StoredFrames(
             storage=self._storage[: self._size],
             size=self._size,

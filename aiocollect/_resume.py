@@ -59,7 +59,9 @@ def load_state_dict(run: Run, state: Any) -> None:
         raise ConfigError(
             f"state={state!r:.200} is not a state_dict() of a Collector ({type(exc).__name__}: {exc}); {fix}"
         ) from None
-    negative = [(k, v) for k, v in (("frames", frames), ("batches", batches), ("collected_frames", collected)) if v < 0]
+    negative: list[tuple[str, Any]] = [
+        (k, v) for k, v in (("frames", frames), ("batches", batches), ("collected_frames", collected)) if v < 0
+    ]
     negative += [("traj_counters", counters)] if any(k < 0 for k in counters) else []
     if negative:
         raise ConfigError(f"state has {negative[0][0]}={negative[0][1]!r:.100}, below 0; {fix}")

@@ -275,8 +275,8 @@ class Rollout:
         traj_buf = views[("collector", "traj_ids")]
         version_buf = views[("collector", "policy_version")]
         version_buf[...] = version
-        for buf, cur in zip(obs_bufs, self.cur_obs):
-            buf[:, 0] = cur
+        for buf, carried in zip(obs_bufs, self.cur_obs):
+            buf[:, 0] = carried
         first_traj = self.cur_traj.copy()
         # per-step scalars go to Python lists, written to the slot once per batch (vectorized)
         rew_rows: list[list[float]] = []

@@ -120,7 +120,7 @@ def split_trajectories(td: TensorDictBase) -> TensorDict:
         padded = torch.zeros(
             (num_trajs * max_len, *trailing), dtype=value.dtype, device=value.device
         )
-        padded[dest.to(value.device)] = value.reshape(num_frames, *trailing)
+        padded[dest.to(value.device)] = torch.as_tensor(value).reshape(num_frames, *trailing)
         out.set(key, padded.view(num_trajs, max_len, *trailing))
     # Sub-tensordicts with no leaves would otherwise be dropped.
     for key, value in td.items(include_nested=True):

@@ -121,7 +121,7 @@ async def launch_workers(run: "Run") -> None:
     if c.num_workers == 0:
         run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
         if run.sync.store is not None:
-            await run.workers[0].give_store(run.sync.store)
+            await run.workers[0].give_store(run.sync.store)  # type: ignore[attr-defined]  # (a LocalWorker)
     else:
         weight_layout = None if run.sync.store is None else run.sync.store.layout
         run.segment = await setup_process_slots(

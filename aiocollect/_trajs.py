@@ -9,7 +9,7 @@ its pieces are joined here until its episode ends. Complete trajectories queue u
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -38,7 +38,7 @@ class TrajectoryAccumulator:
             bounds = starts[row].nonzero().flatten().tolist() + [T]
             for a, b in zip(bounds[:-1], bounds[1:]):
                 traj_id = int(ids[row, a])
-                pieces = [batch[row, a:b]]
+                pieces: list[Any] = [batch[row, a:b]]
                 if a == 0 and env in self.pending:
                     pending_id, pending = self.pending.pop(env)
                     if pending_id == traj_id:
@@ -46,12 +46,14 @@ class TrajectoryAccumulator:
                     else:
                         self.dropped += 1
                 if bool(done[row, b - 1]):
-                    self.complete.append(torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0].clone())
+                    # (torch.cat joins TensorDicts through tensordict's __torch_function__)
+                    joined: Any = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0].clone()
+                    self.complete.append(joined)
                 else:
                     self.pending[env] = (traj_id, pieces)
-        out = []
+        out: list[TensorDictBase] = []
         while len(self.complete) >= self.num_trajs:
-            trajs = [self.complete.popleft() for _ in range(self.num_trajs)]
-            flat = torch.cat(trajs, 0)
+            trajs: list[Any] = [self.complete.popleft() for _ in range(self.num_trajs)]
+            flat: Any = torch.cat(trajs, 0)
             out.append(flat if self.traj_format == "cat" else split_trajectories(flat))
         return out

@@ -56,7 +56,7 @@ class VecEnv:
             self._init_envpool(env)
             return
         self.n = int(env.num_envs)
-        self.step = env.step  # (an instance attribute: one call less per step than the method)
+        self.step = env.step  # type: ignore[method-assign]  # (one call less per step than the method)
         self.obs_space = env.single_observation_space
         self.act_space = env.single_action_space
         mode = _mode_name(env)
@@ -65,7 +65,7 @@ class VecEnv:
 
         self.list_seeds = isinstance(base, (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv))
         if self.list_seeds:
-            self._partial: Callable[[np.ndarray], Any] | None = self._reset_mask
+            self._partial: Callable[..., Any] | None = self._reset_mask
         elif type(env) is CartPoleVectorEnv:  # (a wrapper around it might keep state of its own)
             self._partial = lambda rows, out=None: _cartpole_partial_reset(env, rows, out)
             self.writes_rows = True
@@ -132,7 +132,7 @@ class VecEnv:
         :attr:`writes_rows`, ``out`` (``[num_envs, ...]``, of the single observation leaf's dtype)
         gets the reset rows, and is returned."""
         if self.writes_rows:
-            return self._partial(rows, out)  # type: ignore[misc]
+            return self._partial(rows, out)  # type: ignore[misc]  # (not None: partial resets exist)
         return self._partial(rows)  # type: ignore[misc]
 
     def _reset_mask(self, rows: np.ndarray) -> Any:

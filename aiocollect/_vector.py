@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -54,6 +54,8 @@ from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observati
 from ._registry import install as install_registry
 from ._vecenv import _SAME, VecEnv, is_vector
 from ._wire import NO_EPISODES, Episodes
+if TYPE_CHECKING:
+    from ._groups import GroupedRollout
 from ._rollout import (
     Rollout,
     RolloutConfig,
@@ -64,7 +66,7 @@ from ._rollout import (
     write_traj_ids,
 )
 
-def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> Rollout:
+def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | GroupedRollout":
     """The rollout of one worker: its first env decides whether it steps single envs or vector
     envs (every copy must then be of the same kind)."""
     install_registry(cfg.registry)  # ids registered in the user's process can be made here
@@ -245,7 +247,7 @@ class VectorRollout(Rollout):
         # the same leaves with the sub-envs' dimension in front: what one step of a copy returns
         self.batched_leaves = [Leaf(leaf.key, (n,) + leaf.shape, leaf.dtype) for leaf in self.obs_leaves]
         self.unflatten_act = unflattener(self.act_space)
-        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
+        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)  # type: ignore[assignment]  # (an array here)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.steps = 0
         self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
@@ -268,7 +270,7 @@ class VectorRollout(Rollout):
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         # per row: the reward of its episode before this batch, and the step its episode began at
         # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
-        self.ep_ret = np.zeros(E, np.float64)
+        self.ep_ret = np.zeros(E, np.float64)  # type: ignore[assignment]  # (an array here)
         self.ep_start = np.zeros(E, np.int64)
         guard = ActionGuard(
             self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], lambda arrays: arrays,
@@ -394,8 +396,8 @@ class VectorRollout(Rollout):
         traj_buf = views[("collector", "traj_ids")]
         T = traj_buf.shape[1]
         stage = self._staging(T)
-        for st, cur in zip(stage.obs, self.cur_obs):
-            st[0] = cur
+        for st, carried in zip(stage.obs, self.cur_obs):
+            st[0] = carried
         first_traj = self.cur_traj.copy()
         first_step, first_start = self.steps, self.ep_start.copy()
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
@@ -509,7 +511,7 @@ class VectorRollout(Rollout):
         if self._ends is None:
             return NO_EPISODES
         rows, ids, rets, lens, terms = self._ends
-        return Episodes(self.env_ids[rows], ids, rets, lens, terms)
+        return Episodes(np.asarray(self.env_ids)[rows], ids, rets, lens, terms)
 
     def _tally(
         self, ends: list[tuple[int, np.ndarray]], stage: _Staging, traj_buf: np.ndarray, first_step: int,
@@ -534,21 +536,21 @@ class VectorRollout(Rollout):
         ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
         rows = np.concatenate([r for _, r in ends])
         order = np.lexsort((ts, rows))  # by row, then by step
-        r, t = rows[order], ts[order]
-        first = np.empty(len(r), bool)  # the row's first end in this batch
+        er, et = rows[order], ts[order]
+        first = np.empty(len(er), bool)  # the row's first end in this batch
         first[0] = True
-        np.not_equal(r[1:], r[:-1], out=first[1:])
-        prev = np.empty_like(t)  # the step of the row's previous end (first ends: none)
+        np.not_equal(er[1:], er[:-1], out=first[1:])
+        prev = np.empty_like(et)  # the step of the row's previous end (first ends: none)
         prev[0] = 0
-        prev[1:] = t[:-1]
-        rets = sums[t, r] - sums[prev, r]
-        lens = t - prev
-        rets[first] = sums[t[first], r[first]] + carried[r[first]]
-        lens[first] = first_step + t[first] + 1 - first_start[r[first]]
+        prev[1:] = et[:-1]
+        rets = sums[et, er] - sums[prev, er]
+        lens = et - prev
+        rets[first] = sums[et[first], er[first]] + carried[er[first]]
+        lens[first] = first_step + et[first] + 1 - first_start[er[first]]
         carried += sums[-1]
         last = np.append(first[1:], True)  # the row's last end in this batch
-        r_last = r[last]
-        carried[r_last] = sums[-1, r_last] - sums[t[last], r_last]
+        r_last = er[last]
+        carried[r_last] = sums[-1, r_last] - sums[et[last], r_last]
         back = np.empty_like(order)  # back into the order the episodes ended in
         back[order] = np.arange(len(order))
         return rows, traj_buf[rows, ts], rets[back], lens[back], stage.term[ts, rows]

@@ -127,6 +127,7 @@ class WeightStore:
     def __init__(self, layout: WeightLayout, buffer: Any) -> None:
         import torch
 
+        self.fd: int | None = None  # the memfd of a store in shared memory (closed with the run)
         self.layout = layout
         self.buffer = buffer
         n = len(layout.names)

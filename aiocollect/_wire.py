@@ -38,11 +38,16 @@ import dataclasses
 import pickle
 import socket
 import struct
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar, dataclass_transform
+
+_T = TypeVar("_T")
 
 import numpy as np
 
-_frozen = dataclasses.dataclass(frozen=True, slots=True)
+@dataclass_transform(frozen_default=True)
+def _frozen(cls: type[_T]) -> type[_T]:
+    """A message type: a frozen, slotted dataclass (declared so that type checkers see its fields)."""
+    return dataclasses.dataclass(frozen=True, slots=True)(cls)
 
 
 # -- worker to collector ------------------------------------------------------------------------

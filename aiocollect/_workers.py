@@ -358,7 +358,9 @@ class LocalWorker(WorkerHandle):
 
     def _build(self, cfg: RolloutConfig) -> Rollout:
         try:
-            return open_rollout(cfg, local_policy=self.policy)
+            rollout = open_rollout(cfg, local_policy=self.policy)
+            assert isinstance(rollout, Rollout)  # (no worker_groups without worker processes)
+            return rollout
         except BaseException as exc:
             err = _local_error(exc)
             raise err

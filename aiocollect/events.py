@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar, dataclass_transform
+
+_T = TypeVar("_T")
 
 __all__ = [
     "AfterRollout",
@@ -33,7 +35,11 @@ __all__ = [
     "WorkerStarted",
 ]
 
-_event = dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(dataclasses.field,))
+def _event(cls: type[_T]) -> type[_T]:
+    """An event type: a frozen dataclass with keyword-only fields (declared so that type checkers
+    see its fields)."""
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 
 
 @_event

@@ -186,6 +186,8 @@ class CountingEnv(_ClosableEnv):
         self.nan_at_step = nan_at_step
         self.wrong_shape_at_step = wrong_shape_at_step
         self.wrong_dtype_at_step = wrong_dtype_at_step
+        low: float
+        high: float
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             low, high = info.min, info.max
@@ -199,6 +201,7 @@ class CountingEnv(_ClosableEnv):
         self._count: int | None = None  # None until the first reset
 
     def _obs(self) -> np.ndarray:
+        assert self._count is not None, "reset() first"
         return np.full(self.obs_shape, self._start * 100 + self._count, dtype=self.dtype)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -355,7 +358,8 @@ class BadObservationEnv(_ClosableEnv):
         self._count: int | None = None
 
     def _obs(self) -> np.ndarray:
-        shape = self.bad_shape if self._count >= self.bad_at_step else self.observation_space.shape
+        assert self._count is not None, "reset() first"
+        shape = self.bad_shape if self._count >= self.bad_at_step else self.observation_space.shape or ()
         return np.zeros(shape, dtype=np.float32)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):

@@ -2,9 +2,9 @@
 # One entry point for a fresh clone: creates .venv if needed, installs torch first (so pip never
 # resolves an open-ended torch requirement by itself), then aiocollect, then runs what was asked.
 #   bash scripts/run.sh demo   [args]   collect from CartPole-v1 with worker processes
-#   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, then the
-#                                       TorchRL 0.14 compatibility check (scripts/torchrl-compat.sh;
-#                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
+#   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, then mypy on the
+#                                       package and the TorchRL 0.14 compatibility check
+#                                       (scripts/torchrl-compat.sh; AIOCOLLECT_SKIP_TORCHRL=1 skips it)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
 #   bash scripts/run.sh pixels [args]   benchmarks/pixels.py (installs the `atari` extra: ale-py, opencv)
 #   bash scripts/run.sh envpool-test [args]
@@ -44,7 +44,9 @@ case "$cmd" in
     fi
     # two test processes (CI has 2 cores; the tests mostly wait on worker processes)
     "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}"
-    echo "[test] the main suite passed; now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
+    echo "[test] the main suite passed; now mypy on the package (it ships py.typed)"
+    "$VENV/bin/python" -m mypy
+    echo "[test] now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
     exec bash scripts/torchrl-compat.sh ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
   pixels)
