@@ -7,6 +7,7 @@ batch in collector`` early still exits.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
@@ -31,6 +32,7 @@ class BlockingMixin:
         async def start(self) -> None: ...
         async def collect(self) -> Any: ...
         async def aclose(self) -> None: ...
+        update_weights: Any
 
     def _blocking(self, what: str) -> Any:
         """The portal, refusing to block a running event loop."""
@@ -74,6 +76,14 @@ class BlockingMixin:
                     self.close()
                 return
             yield batch
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, **kwargs: Any) -> int:
+        """Blocking :meth:`update_weights` (TorchRL's name), for code that uses the blocking
+        wrapper (``with``, ``for batch in collector``, a ``DataLoader``): same arguments, same
+        result (the new version); it returns once the workers applied it (``wait=True``).
+        Inside a running event loop use ``await collector.update_weights(...)``."""
+        portal = self._blocking("update_policy_weights_()")
+        return portal.call(functools.partial(self.update_weights, policy_or_weights, **kwargs))
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, for code that used the blocking wrapper."""

@@ -192,6 +192,7 @@ class Collector(Service, BlockingMixin):
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
+        _register_iterable_dataset(type(self))
         if num_workers > 0:
             # Let the launcher import what the workers need while the caller does other things.
             if inference == "server" or (policy is None and policy_factory is None):
@@ -455,6 +456,20 @@ class Collector(Service, BlockingMixin):
             return await self.collect()
         except EndOfCollection:
             raise StopAsyncIteration from None
+
+
+def _register_iterable_dataset(cls: type) -> None:
+    """A collector is a ``torch.utils.data.IterableDataset`` (a virtual subclass, as TorchRL's
+    collectors are real ones), so that ``DataLoader(collector, batch_size=None)`` iterates it
+    (blocking) instead of indexing it. torch is imported here anyway: batches are TensorDicts."""
+    if cls not in _registered:
+        from torch.utils.data import IterableDataset
+
+        IterableDataset.register(cls)
+        _registered.add(cls)
+
+
+_registered: set[type] = set()
 
 
 def _describe(run: Run) -> str:

@@ -265,6 +265,47 @@ async def test_the_blocking_wrapper_refuses_to_freeze_a_running_event_loop():
     await c.aclose()
 
 
+@pytest.mark.parametrize("inference", ["worker", "server"])
+def test_blocking_training_loop_with_update_policy_weights_to_its_natural_end(inference):
+    """The TorchRL-style blocking script: `with Collector(...) as c: for batch in c: train;
+    c.update_policy_weights_(policy)` runs to total_frames; each update is a new version that the
+    next batches carry (prefetch=0: each batch collected after the previous update), and the
+    frames follow CartPole's dynamics."""
+    torch.manual_seed(0)
+    policy = Greedy()
+    versions = []
+    with Collector("CartPole-v1", policy, frames_per_batch=64, total_frames=64 * 4, num_workers=2,
+                   envs_per_worker=2, prefetch=0, inference=inference, seed=0) as c:
+        for batch in c:
+            check_batch(batch)
+            versions.append(int(batch["collector", "policy_version"].max()))
+            train(policy)
+            assert c.update_policy_weights_(policy) == len(versions)
+    assert versions == [0, 1, 2, 3]
+
+
+def test_a_torch_dataloader_iterates_the_collector():
+    """`DataLoader(collector, batch_size=None, collate_fn=lambda b: b)`: the collector is an
+    IterableDataset, each item one of its batches (total_frames in all), and it closes at the end.
+    (DataLoader's default collate takes a TensorDict for a mapping and indexes it by its own
+    rows: hand batches through as they are.)"""
+    from torch.utils.data import DataLoader
+
+    c = Collector("CartPole-v1", frames_per_batch=32, total_frames=32 * 3, num_workers=1, envs_per_worker=2, seed=0)
+    batches = list(DataLoader(c, batch_size=None, collate_fn=lambda b: b))
+    assert [b.batch_size for b in batches] == [torch.Size([2, 16])] * 3
+    for b in batches:
+        check_batch(b)
+    assert c.state is State.CLOSED
+
+
+async def test_update_policy_weights_inside_an_event_loop_says_to_await_update_weights():
+    c = Collector("CartPole-v1", Greedy(), frames_per_batch=64, num_workers=1)
+    with pytest.raises(AiocollectError, match="update_policy_weights_"):
+        c.update_policy_weights_()
+    await c.aclose()
+
+
 @pytest.mark.parametrize("mode", ["end", "break", "raise", "endless_break"])
 def test_plain_script_that_never_closes_its_collector_exits(mode):
     """A script with `for batch in Collector(...)` and no `with`/`close()` exits promptly
