@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 from typing import Any, Callable, Literal, Sequence
@@ -287,10 +288,10 @@ class CollectorConfig:
         storing = self.devices["storing_device"]
         return storing is not None and storing.type == "cuda"
 
-    @property
+    @functools.cached_property
     def devices(self) -> dict[str, Any]:
         """``policy_device``, ``env_device`` and ``storing_device`` as ``torch.device`` (or None),
-        with ``device`` filled in (checked at construction)."""
+        with ``device`` filled in (checked at construction; worked out once)."""
         from ._devices import resolve_devices
 
         return resolve_devices(self)
@@ -346,9 +347,7 @@ class CollectorConfig:
 
         check_wrapping(self)
         if any(getattr(self, name) is not None for name in ("device", "policy_device", "env_device", "storing_device")):
-            from ._devices import resolve_devices
-
-            resolve_devices(self)
+            self.devices  # noqa: B018 - checked now (and kept)
         factory = self.policy_factory
         if isinstance(factory, (list, tuple)):
             if len(factory) != self.workers:

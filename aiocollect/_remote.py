@@ -126,18 +126,19 @@ class RemoteRunner:
         """Ask for the actions of the next step's observations ``obs`` now (they are final): the
         server computes them while this process does something else (``worker_groups``: steps
         its other group of envs); the next :meth:`act` takes the answer."""
+        self._request(obs)
+        self.in_flight = True
+
+    def _request(self, obs: list[np.ndarray]) -> None:
         for dst, src in zip(self.req, obs):
             np.copyto(dst, src)
         os.eventfd_write(self.req_fd, REQUEST)
-        self.in_flight = True
 
     def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         if self.in_flight:  # asked ahead, for these same observations
             self.in_flight = False
         else:
-            for dst, src in zip(self.req, obs):
-                np.copyto(dst, src)
-            os.eventfd_write(self.req_fd, REQUEST)
+            self._request(obs)
         resp_fd = self.resp_fd
         while True:
             for fd, _ in self.poller.poll():

@@ -56,10 +56,9 @@ class InferenceServer:
         self.obs_leaves: list[Leaf] = spec["obs"]
         self.act_leaves: list[Leaf] = spec["act"]
         self.act_space = spec["act_space"]
-        self.exploration_type = exploration_type
-        spec_ = PolicySpec("local", exploration_type=exploration_type)
+        local = PolicySpec("local", exploration_type=exploration_type)
         self._build = lambda n: _served(build_runner(  # a runner per number of rows served at once
-            spec_, self.act_space, self.act_leaves, self.obs_leaves, n, [], policy
+            local, self.act_space, self.act_leaves, self.obs_leaves, n, [], policy
         ))
         self._runners: dict[int, Any] = {}
         self._extra_keys: list[Any] = []
@@ -172,11 +171,9 @@ class InferenceServer:
         zeros = [np.zeros((self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         import torch
 
-        runner = self._new_runner(self.rows)
         with torch.no_grad(), self._on_stream():
-            extras = list(runner.probe(zeros))
-        self._extra_keys = [leaf.key for leaf in extras]
-        self._runners[self.rows] = runner
+            extras = list(self._runner(self.rows).probe(zeros))  # (probe sets that runner's extra keys)
+        self._extra_keys = [leaf.key for leaf in extras]  # (and every runner made after it gets them)
         return extras
 
     def allocate(self, extras: list[Leaf]) -> None:
