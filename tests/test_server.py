@@ -367,7 +367,10 @@ async def test_first_ready_passes_do_not_let_a_slow_worker_stall_a_fast_one(tmp_
     assert server is not None and server["rows"] >= 240 and server["seconds"] > 0
     if env_batch_size == 4:
         assert max(by_worker) <= 8, f"batches per worker {by_worker}: a pass did not wait for both"
-        assert server["rows"] / server["passes"] > 3, "passes did not wait for both workers' envs"
+        # Most passes hold both workers' 4 rows; some hold one worker's 2 by design (while the
+        # other is between batches, and at the end): 3.4-3.8 rows a pass on an idle machine, 2.95
+        # seen under CI's load; a server that never waited would be near 2.
+        assert server["rows"] / server["passes"] > 2.5, "passes did not wait for both workers' envs"
     else:
         assert max(by_worker) >= 9, f"batches per worker {by_worker}: the fast worker was held back"
 
