@@ -170,6 +170,7 @@ class RunProfiling:
         self.config = config
         self.recorder: Recorder | None = None  # the collector process's, when profile_collector
         self.recorder_from = 0  # the producer's round the recording started at
+        self.local_trace = False  # the local worker's trace is the collector's
 
     def check(self, config: ProfileConfig) -> None:
         workers = self.run.config.workers
@@ -192,9 +193,18 @@ class RunProfiling:
         p, run = self.config, self.run
         if p is None:
             return
-        local = run.config.num_workers == 0
+        if run.config.num_workers == 0 and p.profile_collector:
+            # The local backend's rollouts run in this process, which has one profiler: the
+            # collector's trace is recorded around the local worker's batches (they hold the env
+            # steps and the policy's passes; the rounds' delivery runs between them, recorded too).
+            # Around the producer's rounds instead, a rollout filled ahead (prefetch) would be
+            # missed: which one is up to the event loop's scheduling.
+            self.local_trace = True
+            for w in run.workers:
+                w.profile(p.for_worker(), p.path_for("collector"))
+            return
         for w in run.workers:
-            if w.index in p.workers and not (local and p.profile_collector):
+            if w.index in p.workers:
                 w.profile(p.for_worker(), p.path_for(w.index))
         if p.profile_collector:
             self.recorder = Recorder(p.for_worker(), p.path_for("collector"))
@@ -207,6 +217,7 @@ class RunProfiling:
 
     def disable(self) -> None:
         self.config = None
+        self.local_trace = False
         self.abort_collector()
         for w in self.run.workers:
             w.profile_off()
@@ -225,6 +236,6 @@ class RunProfiling:
     async def announce_traces(self) -> None:
         for w in self.run.workers:
             while w.traces:
-                await self.trace_ready(w.index, w.traces.pop(0))
+                await self.trace_ready(None if self.local_trace else w.index, w.traces.pop(0))
 
 

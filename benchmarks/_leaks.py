@@ -289,10 +289,15 @@ def random_cancel(rng: random.Random, longest: float = 0.3, targets: tuple[str, 
 
 
 async def cancellable(body: Callable[[], Awaitable[None]], phase: Phases, cancel: Cancel | None) -> None:
-    """Run ``body()``, cancelled as ``cancel`` says (never if None). Needs an asyncio loop (uvloop
-    included): the delay is a loop timer."""
+    """Run ``body()``, cancelled as ``cancel`` says (never if None). On asyncio (uvloop included)
+    the delay is a loop timer; on trio, where only ``how="scope"`` exists, a task's sleep."""
     if cancel is None:
         await body()
+        return
+    import sniffio
+
+    if sniffio.current_async_library() != "asyncio":
+        await _cancellable_in_task_group(body, phase, cancel)
         return
     import asyncio
 
@@ -318,6 +323,23 @@ async def cancellable(body: Callable[[], Awaitable[None]], phase: Phases, cancel
     finally:
         for timer in timers:
             timer.cancel()
+
+
+async def _cancellable_in_task_group(body: Callable[[], Awaitable[None]], phase: Phases, cancel: Cancel) -> None:
+    if cancel.how != "scope":
+        raise ValueError(f"how={cancel.how!r}: task.cancel() is asyncio's; on trio only 'scope' exists")
+    async with anyio.create_task_group() as timers:
+        with anyio.CancelScope() as scope:
+
+            async def fire() -> None:
+                await anyio.sleep(cancel.delay)
+                scope.cancel()
+
+            phase.on(cancel.after, lambda: timers.start_soon(fire))
+            try:
+                await body()
+            finally:
+                timers.cancel_scope.cancel()
 
 
 async def cycle_with(policy: nn.Module, s: CycleSettings, seed: int, batches: int, phase: Phases,

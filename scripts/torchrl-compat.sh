@@ -2,7 +2,9 @@
 # Compatibility check: aiocollect installed beside TorchRL 0.14.1, which wants tensordict<0.15
 # (the main .venv has tensordict 0.15). Creates or updates .venv-torchrl (torch first, so pip
 # never resolves an open-ended torch requirement by itself), then runs the TorchRL interop tests
-# and the tensordict-heavy test modules on tensordict 0.14.
+# and the tensordict-heavy test modules on tensordict 0.14. aiocollect goes in as a user gets it:
+# the wheel built from this tree, installed with its dependencies (not an editable install), and
+# the tests import that installed copy (python -P: the source tree is not on sys.path).
 #   bash scripts/torchrl-compat.sh            set up if needed, then run the tests
 #   bash scripts/torchrl-compat.sh setup      set up only
 #   bash scripts/torchrl-compat.sh bench [args]   benchmarks/throughput.py here, TorchRL's collector included
@@ -36,14 +38,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/torchrl-com
   printf 'torch==%s\ntensordict%s\ntorchrl==%s\n' "$TORCH_VERSION" "$TENSORDICT_RANGE" "$TORCHRL_VERSION" >"$constraints"
   echo "[setup] installing torch==$TORCH_VERSION first"
   quiet_pip install -q "torch==$TORCH_VERSION"
-  echo "[setup] installing torchrl==$TORCHRL_VERSION, tensordict$TENSORDICT_RANGE and aiocollect with its test extras"
-  quiet_pip install -q -c "$constraints" \
-    "torchrl==$TORCHRL_VERSION" "tensordict$TENSORDICT_RANGE" -e ".[test]"
-  quiet_pip check
+  echo "[setup] installing torchrl==$TORCHRL_VERSION, tensordict$TENSORDICT_RANGE and aiocollect's dependencies and test extras"
+  quiet_pip install -q -c "$constraints" "torchrl==$TORCHRL_VERSION" "tensordict$TENSORDICT_RANGE" ".[test]"
   touch "$stamp"
   echo "[setup] done in $((SECONDS - start)) s:" \
     "$("$VENV/bin/python" -m pip freeze | grep -iE '^(torch|tensordict|torchrl)==' | tr '\n' ' ')"
 fi
+# this tree's code as a wheel, installed over whatever copy is there (every run: the code changes)
+wheels="$VENV/wheel"
+rm -rf "$wheels"
+quiet_pip wheel -q --no-deps --no-build-isolation -w "$wheels" .
+quiet_pip install -q --no-deps --force-reinstall "$wheels"/aiocollect-*.whl
+quiet_pip check
+echo "[setup] aiocollect installed from $(cd "$wheels" && ls aiocollect-*.whl):" \
+  "$(cd /tmp && "$OLDPWD/$VENV/bin/python" -c 'import aiocollect; print(aiocollect.__file__)')"
 
 if [ "${1:-}" = setup ]; then
   exit 0
@@ -57,5 +65,5 @@ if [ $# -eq 0 ]; then
   set -- tests/test_torchrl.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
     tests/test_trajs.py -q -x -p no:cacheprovider -n "${AIOCOLLECT_TEST_JOBS:-2}"
 fi
-echo "[test] $VENV/bin/python -m pytest $*"
-exec "$VENV/bin/python" -m pytest "$@"
+echo "[test] $VENV/bin/python -P -m pytest $*"
+exec "$VENV/bin/python" -P -m pytest "$@"

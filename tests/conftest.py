@@ -1,4 +1,5 @@
-"""Test configuration: every async test runs on plain asyncio and on uvloop; after every test,
+"""Test configuration: every async test runs on plain asyncio and on uvloop (those of the modules
+in TRIO_MODULES on trio too); after every test,
 no worker process, shared-memory segment or thread of ours may be left behind."""
 
 from __future__ import annotations
@@ -18,11 +19,72 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 
+try:
+    import trio
+except ImportError:  # pragma: no cover
+    trio = None
+
+# The modules whose async tests also run on trio (through anyio): the collector, the Evaluator,
+# the events, and the programs users write.
+TRIO_MODULES = {
+    "test_collector", "test_evaluator", "test_evaluator_restart", "test_events", "test_lifecycle",
+    "test_lifecycle_states", "test_weights", "test_user_programs", "test_restart", "test_trajs", "test_leaks",
+}
+# AIOCOLLECT_TEST_TRIO=all: every module's async tests on trio as well (about 2x the suite's time)
+TRIO_EVERYWHERE = os.environ.get("AIOCOLLECT_TEST_TRIO") == "all"
+
+
+def on_trio() -> asyncio.AbstractEventLoop:
+    """The "trio" loop factory: pytest-asyncio still makes (and closes) an asyncio loop for the
+    test, unused; `pytest_pyfunc_call` below runs the test's coroutine with trio instead."""
+    return asyncio.new_event_loop()
+
+
 def pytest_asyncio_loop_factories(config, item):
     factories = {"asyncio": asyncio.new_event_loop}
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
+    if trio is not None and (TRIO_EVERYWHERE or item.module.__name__.rpartition(".")[2] in TRIO_MODULES):
+        factories["trio"] = on_trio
     return factories
+
+
+def _runs_on_trio(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("_asyncio_loop_factory") is on_trio
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "asyncio_only: the test uses asyncio itself (task.cancel(), loop timers): not run on trio"
+    )
+
+
+def pytest_collection_modifyitems(session, config, items):
+    kept, asyncio_only = [], []
+    for item in items:
+        if _runs_on_trio(item):
+            if item.get_closest_marker("asyncio_only") is not None:
+                asyncio_only.append(item)
+                continue
+            item.trio_test = item.obj  # the coroutine function (pytest-asyncio swaps obj when it runs)
+        kept.append(item)
+    if asyncio_only:
+        config.hook.pytest_deselected(items=asyncio_only)
+        items[:] = kept
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test of the "trio" variant: its coroutine runs in `trio.run` (through anyio)."""
+    test = getattr(pyfuncitem, "trio_test", None)
+    if test is None:
+        return None
+    import anyio
+
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    anyio.run(lambda: test(**kwargs), backend="trio")
+    return True
 
 
 def _shm_in_use() -> list[str]:

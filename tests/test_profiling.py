@@ -94,7 +94,7 @@ async def test_enable_profile_where_users_write_it_profiles_the_next_rollouts(tm
                 c.enable_profile(config)
             async with anyio.create_task_group() as tg:
                 if when == "from_another_task":
-                    tg.start_soon(lambda: anyio.to_thread.run_sync(lambda: None))  # a task switch first
+                    tg.start_soon(anyio.sleep, 0.001)  # another task, that runs first
                     tg.start_soon(lambda: _enable_soon(c, config))
                 async for batch in c:
                     batches += 1
