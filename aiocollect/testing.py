@@ -134,7 +134,7 @@ class CountingEnv(_ClosableEnv):
         wrong_dtype_at_step: the observation of the N-th call to ``step`` has another kind of
             dtype than the space: ``int64`` for a float space, ``float64`` for an integer one.
 
-        After a fault of the observation, the episode carries on: later observations are right.
+    After a fault of the observation, the episode carries on: later observations are right.
 
     Attributes:
         num_steps: calls to ``step`` so far (including one that raised).

@@ -62,8 +62,11 @@ if [ "${1:-}" = bench ]; then
 fi
 if [ $# -eq 0 ]; then
   # the TorchRL interop tests, then aiocollect's own tensordict-heavy modules on tensordict 0.14
+  # (and the PPO example's TorchRL variant: its loss and GAE against TorchRL's, and a short run)
   set -- tests/test_torchrl.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
-    tests/test_trajs.py -q -x -p no:cacheprovider -n "${AIOCOLLECT_TEST_JOBS:-2}"
+    tests/test_trajs.py tests/test_ppo_example.py::test_torchrl_short_run_learns \
+    tests/test_ppo_example.py::test_hand_written_gae_and_loss_match_torchrl_on_a_real_batch \
+    -q -x -p no:cacheprovider -n "${AIOCOLLECT_TEST_JOBS:-2}"
 fi
 echo "[test] $VENV/bin/python -P -m pytest $*"
 exec "$VENV/bin/python" -P -m pytest "$@"
