@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     log(machine_line(m))
     log(f"{args.workers} workers; {args.rounds} rounds of {args.seconds:g} s per setup after {args.warmup:g} s of "
         f"warm-up; sync delivery; {'CPU only' if args.device == 'cpu' else 'the GPU comparison'}")
-    out: dict[str, Any] = {"machine": m}
+    out: dict[str, Any] = {"machine": m, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args)}
     if args.device == "cuda":
         return run_gpu(args, out)
     torch.manual_seed(0)

@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import sys
+import time
 import warnings
 from dataclasses import asdict
 from typing import Any
@@ -326,7 +327,8 @@ def main(args: argparse.Namespace) -> int:
     log(machine_line(machine()))
     log(f"cpu cores available: {len(os.sched_getaffinity(0))}; {args.workers} workers; windows of {args.seconds:g} s "
         f"after {args.warmup:g} s of warm-up; batches of {args.steps} steps of every env row")
-    out: dict[str, Any] = {"machine": machine(), "aiocollect": aiocollect.__version__}
+    out: dict[str, Any] = {"machine": machine(), "aiocollect": aiocollect.__version__,
+                           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args)}
     policy = make_policy(ArgmaxMLP)
     if args.sliced:
         out["cartpole_sliced"] = run_sliced(args, policy)

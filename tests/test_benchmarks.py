@@ -5,6 +5,7 @@ the scripts' own output, never for a test."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,3 +43,21 @@ def test_sliced_vector_comparison_runs_to_its_report_and_leaves_nothing():
     assert len(rows) == 2, out  # with and without zero_copy, each with both rates and a ratio
     assert any("turn ratios min / median / max" in line for line in lines), out
     assert "still running" not in out, out  # (the benchmark's reaper names any process left over)
+
+
+@pytest.mark.timeout(120)
+def test_server_load_benchmark_runs_both_modes_to_its_table(tmp_path):
+    """benchmarks/server_load.py in a short mode: both servers started, loaded, stopped; the
+    table's two rows, and the JSON with latency and loop-lag percentiles for each."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    out = run_script("server_load.py", "--requests", "100", "--warmup-requests", "20", "--concurrency", "10",
+                     "--workers", "1", "--envs-per-worker", "2", "--frames-per-batch", "64", "--settle", "0.5",
+                     "--json", str(tmp_path / "load.json"))
+    assert re.search(r"^idle\s+[\d,]+\s", out, re.M) and re.search(r"^collecting\s+[\d,]+\s.*[\d,]+$", out, re.M), out
+    with open(tmp_path / "load.json") as f:
+        results = json.load(f)["results"]
+    for mode in ("idle", "collecting"):
+        assert results[mode]["latency_ms"]["p99"] >= results[mode]["latency_ms"]["p50"] > 0
+        assert results[mode]["loop_lag_ms"]["p99"] is not None and results[mode]["runs"][0]["requests"] == 100
+    assert results["collecting"]["collector_fps"] > 0 and results["idle"]["collector_fps"] is None
