@@ -25,7 +25,7 @@ CORE = ("torch", "tensordict", "gymnasium", "numpy", "anyio", "cloudpickle", "uv
 ALSO = ("trio", "torchrl", "envpool")
 
 
-class CliError(Exception):
+class _CliError(Exception):
     """A problem with the command line's input: printed as ``error: ...`` with exit status 2."""
 
 
@@ -192,7 +192,7 @@ class Progress:
             from tqdm import tqdm
         except ImportError:
             if mode == "bar":
-                raise CliError("--progress bar needs tqdm: pip install 'aiocollect[progress]' (or --progress lines)")
+                raise _CliError("--progress bar needs tqdm: pip install 'aiocollect[progress]' (or --progress lines)")
             return
         self.bar = tqdm(total=total, file=self.file, dynamic_ncols=True, desc="starting",
                         bar_format="[{n_fmt}/{total_fmt}] {desc}{postfix} ({elapsed})")  # fmt: skip
@@ -233,7 +233,7 @@ def _positive(kind: type, what: str) -> Any:
 
 
 def check_env(env_id: str, imports: tuple[str, ...]) -> None:
-    """Import ``imports``, then make and close one env of ``env_id``: raise :class:`CliError`
+    """Import ``imports``, then make and close one env of ``env_id``: raise :class:`_CliError`
     naming the cause and the fix if that fails."""
     import importlib
 
@@ -241,24 +241,24 @@ def check_env(env_id: str, imports: tuple[str, ...]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise CliError(f"--import {name}: {exc}; install the package that provides it") from exc
+            raise _CliError(f"--import {name}: {exc}; install the package that provides it") from exc
     import gymnasium as gym
 
     try:
         env = gym.make(env_id)
     except gym.error.UnregisteredEnv as exc:
-        raise CliError(
+        raise _CliError(
             f"unknown environment id {env_id!r}: {exc}\n"
             "  Check the id (python -c 'import gymnasium; gymnasium.pprint_registry()' lists the registered ones);"
             " an id registered by a package needs it imported first: --import PACKAGE (e.g. --import ale_py),"
             " or the form PACKAGE:ID"
         ) from exc
     except gym.error.DependencyNotInstalled as exc:
-        raise CliError(f"environment {env_id!r} needs a package that is not installed: {exc}") from exc
+        raise _CliError(f"environment {env_id!r} needs a package that is not installed: {exc}") from exc
     except ModuleNotFoundError as exc:
-        raise CliError(f"environment {env_id!r}: {exc}") from exc
+        raise _CliError(f"environment {env_id!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - whatever the env's own constructor raises
-        raise CliError(f"environment {env_id!r} could not be made: {type(exc).__name__}: {exc}") from exc
+        raise _CliError(f"environment {env_id!r} could not be made: {type(exc).__name__}: {exc}") from exc
     env.close()
 
 
@@ -279,7 +279,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
         imports=tuple(args.imports),
     )
     if config.batch_frames % config.num_envs:
-        raise CliError(
+        raise _CliError(
             f"--frames-per-batch {config.batch_frames} must be a multiple of --workers x --envs-per-worker "
             f"({config.num_envs}): every env steps the same number of times per batch"
         )
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status: int = args.run(args, sys.stdout)
         return status
-    except CliError as exc:
+    except _CliError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
