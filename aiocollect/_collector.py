@@ -145,6 +145,8 @@ class Collector(Service, BlockingMixin):
         env_batch_size: int | None = None,
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
+        backend: str | None = None,
+        ray_actor_options: dict | Sequence[dict] | None = None,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -186,6 +188,8 @@ class Collector(Service, BlockingMixin):
             env_batch_size=env_batch_size,
             compile_policy=compile_policy,
             cudagraph_policy=cudagraph_policy,
+            backend=backend,  # type: ignore[arg-type]
+            ray_actor_options=ray_actor_options,
         )
         self._run = run = Run(self.config)
         self._portal = portal = Portal(run)
@@ -193,7 +197,7 @@ class Collector(Service, BlockingMixin):
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
         _register_iterable_dataset(type(self))
-        if num_workers > 0:
+        if self.config.backend_name == "process":
             # Let the launcher import what the workers need while the caller does other things.
             if inference == "server" or (policy is None and policy_factory is None):
                 kind = "server" if inference == "server" else "random"  # (no torch in the workers)
@@ -219,7 +223,8 @@ class Collector(Service, BlockingMixin):
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
-        """Process ids of the running workers (empty for the local backend)."""
+        """Process ids of the running workers (empty for the local backend; with
+        ``backend="ray"``, the actors' process ids on their nodes)."""
         return tuple(w.pid for w in self._run.workers if w.pid is not None)
 
     @property
@@ -319,6 +324,11 @@ class Collector(Service, BlockingMixin):
         """
         if config is not None and not isinstance(config, ProfileConfig):
             raise ConfigError(f"config={config!r:.100} must be a ProfileConfig or None (then pass its fields as keywords)")
+        if self.config.backend_name == "ray":
+            raise ConfigError(
+                "enable_profile(): backend='ray' does not support the profiler yet (its traces are files on the "
+                "actors' machines); use backend='process' to profile"
+            )
         fields = {f.name for f in dataclasses.fields(ProfileConfig)}
         unknown = [k for k in kwargs if k not in fields]
         if unknown:

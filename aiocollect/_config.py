@@ -172,7 +172,8 @@ class CollectorConfig:
     total_frames: int = -1
     """Frames to collect in all (a multiple of ``frames_per_batch``); ``-1`` collects forever."""
     num_workers: int = 1
-    """Worker processes; ``0`` runs the envs in the collector's process (local backend)."""
+    """Worker processes (Ray actors with ``backend="ray"``); ``0`` runs the envs in the
+    collector's process (local backend)."""
     envs_per_worker: int = 1
     """Envs stepped by each worker (batched through the policy together)."""
     delivery: Literal["sync", "async"] = "sync"
@@ -279,6 +280,23 @@ class CollectorConfig:
     storing_device: Any = None
     """Where delivered batches live: ``None``/``"cpu"`` (shared memory, lent or copied), or a CUDA
     device (each batch copied to it once, in a thread, and its slots handed back at once)."""
+    backend: Literal["process", "local", "ray"] | None = None
+    """Where the workers run: ``"process"`` (worker processes forked on this machine; the default
+    with ``num_workers>=1``), ``"local"`` (the collector's own process and event loop; the default,
+    and the only choice, with ``num_workers=0``), or ``"ray"`` (each worker a Ray actor, on any
+    node of a Ray cluster; needs ``pip install 'aiocollect[ray]'``; see ``docs/ray.md``)."""
+    ray_actor_options: dict | Sequence[dict] | None = None
+    """``backend="ray"``: options for each worker's actor (``num_cpus`` (default 1), ``num_gpus``,
+    ``resources``, ``memory``, ``scheduling_strategy`` for a placement group or node affinity,
+    ``runtime_env`` ...), as Ray's ``.options()`` takes them; one dict for every actor or a list of
+    one per worker."""
+
+    @property
+    def backend_name(self) -> str:
+        """``backend``, with its default filled in."""
+        if self.backend is not None:
+            return self.backend
+        return "local" if self.num_workers == 0 else "process"
 
     @property
     def stores_on_cuda(self) -> bool:
@@ -328,6 +346,7 @@ class CollectorConfig:
             raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
         if self.inference not in ("worker", "server"):
             raise ConfigError(f"inference={self.inference!r} must be 'worker' or 'server'")
+        self._check_backend()
         check_policy_args(self.policy, self.policy_factory)
         if self.inference == "server":
             from ._server import check_server_config
@@ -450,6 +469,36 @@ class CollectorConfig:
                     f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
                     f"collector has {self.workers} (indices 0..{self.workers - 1})"
                 )
+
+    def _check_backend(self) -> None:
+        backend = self.backend
+        if backend is not None and (not isinstance(backend, str) or backend not in ("process", "local", "ray")):
+            raise ConfigError(f"backend={backend!r} must be 'process', 'local' or 'ray' (or None: chosen by num_workers)")
+        if backend == "local" and self.num_workers != 0:
+            raise ConfigError(
+                f"backend='local' runs the envs in the collector's own process, but num_workers={self.num_workers}; "
+                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
+            )
+        if backend in ("process", "ray") and self.num_workers == 0:
+            what = "worker processes" if backend == "process" else "Ray actors"
+            raise ConfigError(
+                f"backend={backend!r} runs the envs in {what}, but num_workers=0; use num_workers>=1 "
+                f"(num_workers=0 is the local backend)"
+            )
+        if self.ray_actor_options is not None and backend != "ray":
+            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
+        if backend != "ray":
+            return
+        for option, value, default in (("inference", self.inference, "worker"), ("profile", self.profile, None)):
+            if value != default:
+                what = {"inference": "server inference (the workers share memory with the collector's server)",
+                        "profile": "the profiler (its traces are files on the workers' machine)"}[option]
+                raise ConfigError(
+                    f"backend='ray' does not support {what} yet: {option}={value!r}; use backend='process' for it"
+                )
+        from ._ray import check_actor_options
+
+        check_actor_options(self.ray_actor_options, self.workers)
 
     @property
     def seed_offset(self) -> int:

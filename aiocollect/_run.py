@@ -103,7 +103,8 @@ class Run:
         self.seed: int | None = c.seed
         self.static_seed = False
         self.profiling = RunProfiling(self, c.profile)
-        self.sync = WeightSync(c.policy, c.num_workers == 0, self.emit)
+        # (stores in process memory for the local backend, and for Ray, which ships each version)
+        self.sync = WeightSync(c.policy, c.backend_name in ("local", "ray"), self.emit)
         # the run
         self.closing = False
         self.ended = False  # the consumer saw the end of the stream

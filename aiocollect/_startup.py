@@ -99,10 +99,16 @@ async def launch_workers(run: "Run") -> None:
         policy_specs = [policy_spec(run, i if per_worker else None) for i in range(c.workers if per_worker else 1)]
         if not per_worker:
             policy_specs *= c.workers  # one spec for every worker: pickled once
-        needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
         run.configs = rollout_configs(run, policy_specs)
-        workers, specs = await start_process_workers(run.configs, needs, get_launcher())
-        run.workers = list(workers)
+        if c.backend_name == "ray":
+            from ._ray import check_actor_options, start_ray_workers
+
+            actors, specs = await start_ray_workers(run.configs, check_actor_options(c.ray_actor_options, c.workers))
+            run.workers = list(actors)
+        else:
+            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
+            workers, specs = await start_process_workers(run.configs, needs, get_launcher())
+            run.workers = list(workers)
     run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
     batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
     for i, s in enumerate(batch_specs[1:], 1):
@@ -122,6 +128,10 @@ async def launch_workers(run: "Run") -> None:
         run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
         if run.sync.store is not None:
             await run.workers[0].give_store(run.sync.store)  # type: ignore[attr-defined]  # (a LocalWorker)
+    elif c.backend_name == "ray":
+        from ._ray import setup_ray_slots
+
+        run.segment = setup_ray_slots(run.workers, run.layout, run.sync.store, c.step_timeout is not None)  # type: ignore[arg-type]
     else:
         weight_layout = None if run.sync.store is None else run.sync.store.layout
         run.segment = await setup_process_slots(

@@ -3,8 +3,11 @@
 # resolves an open-ended torch requirement by itself), then aiocollect, then runs what was asked.
 #   bash scripts/run.sh demo   [args]   collect from CartPole-v1 with worker processes
 #   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, then mypy on the
-#                                       package and the TorchRL 0.14 compatibility check
-#                                       (scripts/torchrl-compat.sh; AIOCOLLECT_SKIP_TORCHRL=1 skips it)
+#                                       package, the Ray backend's tests (installs the `ray` extra;
+#                                       AIOCOLLECT_SKIP_RAY=1 skips them) and the TorchRL 0.14
+#                                       compatibility check (scripts/torchrl-compat.sh;
+#                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
+#   bash scripts/run.sh ray-test [args] tests/test_ray.py, after installing the `ray` extra
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
 #   bash scripts/run.sh pixels [args]   benchmarks/pixels.py (installs the `atari` extra: ale-py, opencv)
 #   bash scripts/run.sh envpool-test [args]
@@ -42,12 +45,29 @@ case "$cmd" in
     if [ $# -gt 0 ] || [ "${AIOCOLLECT_SKIP_TORCHRL:-0}" = 1 ]; then
       exec "$VENV/bin/python" -m pytest "$@"
     fi
-    # two test processes (CI has 2 cores; the tests mostly wait on worker processes)
-    "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}"
+    if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
+      # Ray's wheel (~80 MB) downloads while the main suite runs; installed after it
+      mkdir -p "$VENV/ray-wheels"
+      "$VENV/bin/python" -m pip download -q --no-deps -c scripts/constraints.txt -d "$VENV/ray-wheels" ray \
+        > "$VENV/ray-download.log" 2>&1 &
+      ray_download=$!
+    fi
+    # two test processes (CI has 2 cores; the tests mostly wait on worker processes); the Ray
+    # backend's tests run in their own step below (one Ray instance for the module)
+    "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}" --ignore=tests/test_ray.py
     echo "[test] the main suite passed; now mypy on the package (it ships py.typed)"
     "$VENV/bin/python" -m mypy
+    if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
+      echo "[test] now the Ray backend (installs the ray extra into $VENV)"
+      wait "$ray_download" || { cat "$VENV/ray-download.log" >&2; exit 1; }
+      "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt --find-links "$VENV/ray-wheels" -e ".[ray]"
+      "$VENV/bin/python" -m pytest tests/test_ray.py
+    fi
     echo "[test] now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
     exec bash scripts/torchrl-compat.sh ;;
+  ray-test)
+    "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[ray]"
+    exec "$VENV/bin/python" -m pytest tests/test_ray.py "$@" ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
   pixels)
     "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[atari]"
@@ -58,5 +78,5 @@ case "$cmd" in
     "$EV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
     "$EV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]" envpool
     exec "$EV/bin/python" -m pytest tests/test_envpool.py "$@" ;;
-  *) echo "usage: bash scripts/run.sh {demo|test|bench|pixels|envpool-test} [args]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|bench|pixels|envpool-test|ray-test} [args]" >&2; exit 2 ;;
 esac

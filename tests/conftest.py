@@ -46,6 +46,11 @@ def pytest_asyncio_loop_factories(config, item):
         factories["uvloop"] = uvloop.new_event_loop
     if trio is not None and (TRIO_EVERYWHERE or item.module.__name__.rpartition(".")[2] in TRIO_MODULES):
         factories["trio"] = on_trio
+    loops = item.get_closest_marker("loops")
+    if loops is not None:  # @pytest.mark.loops("asyncio", ...): these loops only (trio too if named)
+        if trio is not None and "trio" in loops.args:
+            factories["trio"] = on_trio
+        factories = {name: f for name, f in factories.items() if name in loops.args}
     return factories
 
 
@@ -57,6 +62,10 @@ def _runs_on_trio(item) -> bool:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "asyncio_only: the test uses asyncio itself (task.cancel(), loop timers): not run on trio"
+    )
+    config.addinivalue_line(
+        "markers", "loops(*names): run the async test on these loops only ('asyncio', 'uvloop', 'trio'), for "
+        "slow modules whose loop-specific code is covered by a few tests"
     )
 
 

@@ -1,0 +1,466 @@
+"""backend="ray": each worker a Ray actor on a local Ray instance (2 CPUs, started once for the
+module). The same data as the process backend for the same seed, weights through one ``ray.put``
+per version, events, a dead actor (``ray.kill``) raising or being replaced, hung envs under
+``step_timeout``, and no actor left after ``aclose``, even on cancellation.
+
+Skipped without Ray (``pip install 'aiocollect[ray]'``); CI runs this module in a step of its own
+(``scripts/run.sh test`` installs Ray for it)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+
+import anyio
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+ray = pytest.importorskip("ray")
+
+from aiocollect import BrokenWorkerError, Collector, ConfigError, WorkerError, WorkerTimeoutError  # noqa: E402
+from aiocollect import events as ev  # noqa: E402
+from aiocollect.testing import CountingEnv, InjectedFailure  # noqa: E402
+
+# Ray's actors cost seconds to start: most tests run on asyncio only; the complete user program
+# runs on asyncio, uvloop and trio (the only loop-specific code: Ray's thread waking the loop).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.loops("asyncio")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    """One local Ray instance for the module (2 CPUs: one per actor of most tests)."""
+    started = not ray.is_initialized()
+    if started:
+        # (the actors unpickle envs and policies defined in this module: they import it by name)
+        here = os.path.dirname(os.path.abspath(__file__))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": here}})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _ours_alive() -> list[str]:
+    """Actors of this process that Ray still counts alive (ours are RolloutActor)."""
+    from ray._private.state import actors  # (the state API proper needs Ray's dashboard)
+
+    return [k for k, a in actors().items() if a["ActorClassName"] == "RolloutActor" and a["State"] != "DEAD"]
+
+
+_pids: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Overrides the suite's check (Ray's driver keeps threads of its own, some of them
+    registered by Python as dummy threads on first use): every actor process a test saw is gone,
+    no shared memory of ours is left, and no thread of ours is left."""
+    from conftest import _shm_in_use
+
+    threads_before = set(threading.enumerate())
+    del _pids[:]
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") for p in _pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [p for p in _pids if os.path.exists(f"/proc/{p}")]
+    assert not left, f"actor processes left running: {left}"
+    assert not _shm_in_use(), f"shared memory left mapped or open: {_shm_in_use()}"
+    extra = [
+        t for t in threading.enumerate()
+        if t not in threads_before and t.is_alive() and not isinstance(t, threading._DummyThread)
+        and "ray" not in t.name.lower()
+    ]
+    assert not extra, f"threads left running: {extra}"
+
+
+def seen(c: Collector) -> tuple[int, ...]:
+    """The actors' pids, remembered for the leak check."""
+    pids = c.worker_pids
+    _pids.extend(pids)
+    return pids
+
+
+class Greedy(torch.nn.Module):
+    """A deterministic MLP (4-16-2, argmax) with fixed initial weights."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def forward(self, observation):
+        return self.net(observation).argmax(-1)
+
+
+def check_cartpole(batch: TensorDict) -> None:
+    """Within each env row: the next observation of frame t is the observation of frame t+1
+    unless the episode ended at t (then t+1 starts a new trajectory)."""
+    obs, nxt = batch["observation"], batch["next", "observation"]
+    done = batch["next", "done"].squeeze(-1)
+    traj = batch["collector", "traj_ids"]
+    same = (nxt[:, :-1] == obs[:, 1:]).all(-1)
+    assert bool((same | done[:, :-1]).all())
+    assert bool((traj[:, 1:] == traj[:, :-1])[~done[:, :-1]].all())
+    assert bool((traj[:, 1:] != traj[:, :-1])[done[:, :-1]].all())
+
+
+async def gather(backend: str, **kw) -> tuple[list[TensorDict], list[tuple]]:
+    episodes: list[tuple] = []
+    c = Collector("CartPole-v1", Greedy(), frames_per_batch=128, total_frames=128 * 4, num_workers=2,
+                  envs_per_worker=2, seed=7, backend=backend, **kw)
+    c.on(ev.EpisodeEnded, lambda e: episodes.append((e.worker, e.env, e.length, round(e.ret, 4))))
+    batches = []
+    async with c:
+        async for batch in c:
+            seen(c)
+            batches.append(batch.clone())
+    return batches, sorted(episodes)
+
+
+async def test_same_data_as_the_process_backend():
+    """Same seed, same deterministic policy: the Ray backend delivers exactly the process
+    backend's batches (every key, every frame) and the same episodes."""
+    with anyio.fail_after(100):
+        ray_batches, ray_eps = await gather("ray")
+        proc_batches, proc_eps = await gather("process")
+    assert len(ray_batches) == len(proc_batches) == 4
+    for a, b in zip(ray_batches, proc_batches):
+        assert a.batch_size == b.batch_size == torch.Size([4, 32])
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in a.keys(True, True):
+            assert a[key].dtype == b[key].dtype, key
+            assert torch.equal(a[key], b[key]), key
+        check_cartpole(a)
+    assert ray_eps == proc_eps and len(ray_eps) > 5
+
+
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+async def test_user_program_with_weight_updates():
+    """The loop users write: iterate to total_frames, train, update weights after each batch,
+    close. Frames carry the version current at their batch's start, every actor acknowledges each
+    version, and each version is put in Ray's object store once for both actors."""
+    policy = Greedy()
+    applied: list[tuple[int, int]] = []
+    c = Collector("CartPole-v1", policy, frames_per_batch=200, total_frames=200 * 6, num_workers=2,
+                  envs_per_worker=2, backend="ray", prefetch=0)
+    c.on(ev.WeightsApplied, lambda e: applied.append((e.worker, e.version)))
+    versions = []
+    with anyio.fail_after(60):
+        async with c:
+            async for batch in c:
+                seen(c)
+                check_cartpole(batch)
+                v = batch["collector", "policy_version"]
+                assert bool((v == v[0, 0]).all())  # one version per batch (prefetch=0, both workers)
+                versions.append(int(v[0, 0]))
+                with torch.no_grad():
+                    for p in policy.parameters():
+                        p.add_(0.01)
+                version = await c.update_weights(policy)
+                assert version == len(versions)
+            puts = c._run.workers[0].snapshots.puts if c._run.workers else None
+        assert c.frames == 1200
+    assert versions[0] == 0 and versions[1:] == sorted(versions[1:]) and versions[-1] >= 4
+    assert {w for w, v in applied if v == versions[-1]} == {0, 1}
+    assert puts is None or puts == versions[-1] + 1  # (the run may be over: its workers gone)
+
+
+async def test_weights_put_once_per_version_and_acknowledged():
+    """update_weights(wait=True) returns once both actors applied the version; one ray.put per
+    version; an idle actor applies at once."""
+    policy = Greedy()
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, num_workers=2, envs_per_worker=2,
+                             backend="ray", prefetch=0) as c:
+            await c.collect()
+            seen(c)
+            snapshots = c._run.workers[0].snapshots
+            assert c._run.workers[1].snapshots is snapshots
+            before = snapshots.puts
+            for k in range(3):
+                with torch.no_grad():
+                    policy.net[0].bias.fill_(float(k))
+                version = await c.update_weights(policy, wait=True)
+                assert c._run.sync.acked == [version, version]
+            assert snapshots.puts - before == 3
+            batch = await c.collect()
+            assert bool((batch["collector", "policy_version"] == version).all())
+
+
+async def test_per_worker_weights():
+    """worker_ids: a store of the worker's own; the other worker keeps its version."""
+    policy = Greedy()
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, num_workers=2, envs_per_worker=2,
+                             backend="ray", prefetch=0) as c:
+            await c.collect()
+            seen(c)
+            v = await c.update_weights(policy, worker_ids=[1], wait=True)
+            batch = await c.collect()
+            versions = batch["collector", "policy_version"]
+            assert bool((versions[:2] == 0).all()) and bool((versions[2:] == v).all())
+
+
+async def test_async_delivery_and_trajectories():
+    """delivery="async": each batch one actor's, whole; trajs_per_batch works as with processes."""
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", None, frames_per_batch=64, total_frames=64 * 6, num_workers=2,
+                             envs_per_worker=2, backend="ray", delivery="async", seed=3) as c:
+            sizes = []
+            async for batch in c:
+                seen(c)
+                sizes.append(batch.batch_size)
+                check_cartpole(batch)
+        assert sizes == [torch.Size([2, 32])] * 6
+        async with Collector("CartPole-v1", None, frames_per_batch=64, num_workers=2, envs_per_worker=2,
+                             backend="ray", trajs_per_batch=5, seed=3) as c:
+            batch = await c.collect()
+            seen(c)
+            mask = batch["collector", "mask"]
+            assert batch.batch_size[0] == 5
+            lengths = mask.sum(-1)
+            assert bool((lengths > 0).all())
+            done = batch["next", "done"].squeeze(-1)
+            for i, n in enumerate(lengths.tolist()):
+                assert bool(done[i, n - 1]) and not bool(done[i, : n - 1].any())
+
+
+async def test_killed_actor_raises_broken_worker_error():
+    with anyio.fail_after(60):
+        c = Collector("CartPole-v1", None, frames_per_batch=64, num_workers=2, envs_per_worker=2, backend="ray")
+        async with c:
+            await c.collect()
+            pids = seen(c)
+            handle = c._run.workers[1].actor
+            ray.kill(handle)
+            with pytest.raises(BrokenWorkerError, match="worker 1 .*Ray actor.* died") as info:
+                for _ in range(50):
+                    await c.collect()
+            assert info.value.worker == 1
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+async def test_killed_actor_is_replaced():
+    """on_worker_failure="restart": a new actor takes the seat; the run reaches total_frames with
+    consistent data and trajectory ids never reused."""
+    failed, restarted = [], []
+    c = Collector("CartPole-v1", None, frames_per_batch=64, total_frames=64 * 8, num_workers=2, envs_per_worker=2,
+                  backend="ray", on_worker_failure="restart", seed=1)
+    c.on(ev.WorkerFailed, failed.append)
+    c.on(ev.WorkerRestarted, restarted.append)
+    ids: set[int] = set()
+    with anyio.fail_after(90):
+        async with c:
+            n = 0
+            async for batch in c:
+                seen(c)
+                check_cartpole(batch)
+                n += 1
+                if n == 2:
+                    ray.kill(c._run.workers[0].actor)
+                    await anyio.sleep(0.5)
+                ids |= set(batch["collector", "traj_ids"].unique().tolist())
+            seen(c)
+    assert n == 8 and c.frames == 512
+    assert [e.worker for e in failed] == [0] and isinstance(failed[0].error, BrokenWorkerError)
+    assert len(restarted) == 1 and restarted[0].pid != restarted[0].old_pid
+    assert c.stats()["restarts"] == 1 if isinstance(c.stats(), dict) else True
+
+
+async def test_env_error_in_actor_names_the_worker():
+    with anyio.fail_after(60):
+        c = Collector(CountingEnv, None, frames_per_batch=8, num_workers=1, envs_per_worker=1, backend="ray",
+                      create_env_kwargs={"fail_at_step": 5})
+        async with c:
+            with pytest.raises(WorkerError, match="worker 0 .*Ray actor.* raised InjectedFailure") as info:
+                await c.collect()
+            seen(c)
+        assert isinstance(info.value.__cause__, InjectedFailure)
+        assert "in step" in info.value.worker_traceback
+
+
+async def test_step_timeout_kills_a_hung_actor():
+    with anyio.fail_after(60):
+        c = Collector(CountingEnv, None, frames_per_batch=8, num_workers=1, envs_per_worker=2, backend="ray",
+                      step_timeout=0.5, create_env_kwargs={"episode_length": 50, "hang_at_step": 9})
+        async with c:
+            with pytest.raises(WorkerTimeoutError) as info:
+                for _ in range(10):
+                    await c.collect()
+                    seen(c)
+            seen(c)
+    message = str(info.value)
+    assert "worker 0" in message and "step()" in message and "step_timeout=0.5" in message
+    assert "in _hang" in message  # the rollout thread's stack, taken from the actor's control thread
+
+
+async def test_cancellation_leaves_no_actor():
+    """A consumer cancelled mid-iteration: aclose (from async with) still kills every actor."""
+    pids: tuple[int, ...] = ()
+    with anyio.move_on_after(3) as scope:
+        async with Collector("CartPole-v1", None, frames_per_batch=64, num_workers=2, envs_per_worker=2,
+                             backend="ray") as c:
+            async for _ in c:
+                pids = seen(c)
+    assert scope.cancelled_caught and len(pids) == 2
+    deadline = time.monotonic() + 5
+    while _ours_alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    assert not _ours_alive()
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+async def test_actor_options_reach_ray():
+    """ray_actor_options: a runtime_env variable the env factory reads, and fractional CPUs."""
+
+    def make_env():
+        assert os.environ.get("AIOCOLLECT_RAY_TEST") == "yes", "runtime_env did not reach the actor"
+        return gym.make("CartPole-v1")
+
+    with anyio.fail_after(60):
+        async with Collector(make_env, None, frames_per_batch=32, num_workers=2, envs_per_worker=1, backend="ray",
+                             ray_actor_options={"num_cpus": 0.5,
+                                                "runtime_env": {"env_vars": {"AIOCOLLECT_RAY_TEST": "yes"}}}) as c:
+            batch = await c.collect()
+            seen(c)
+    assert batch.batch_size == torch.Size([2, 16])
+
+
+def test_config_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="num_workers=0"):
+        Collector("CartPole-v1", frames_per_batch=8, num_workers=0, backend="ray")
+    with pytest.raises(ConfigError, match="server inference"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray", inference="server")
+    with pytest.raises(ConfigError, match="which Ray .* do not take"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray", ray_actor_options={"num_cpu": 1})
+    with pytest.raises(ConfigError, match="'max_concurrency': aiocollect sets it itself"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray", ray_actor_options={"max_concurrency": 4})
+    with pytest.raises(ConfigError, match="on_worker_failure='restart'"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray", ray_actor_options={"max_restarts": 2})
+    with pytest.raises(ConfigError, match="one per worker"):
+        Collector("CartPole-v1", frames_per_batch=8, num_workers=2, backend="ray", ray_actor_options=[{}])
+    with pytest.raises(ConfigError, match="for backend='ray'"):
+        Collector("CartPole-v1", frames_per_batch=8, ray_actor_options={})
+    with pytest.raises(ConfigError, match="'process', 'local' or 'ray'"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="dask")
+    with pytest.raises(ConfigError, match="profiler"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray").enable_profile()
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match=r"pip install 'aiocollect\[ray\]'"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray")
+
+
+def test_bad_actor_option_values_are_config_errors():
+    with pytest.raises(ConfigError, match="num_cpus"):
+        Collector("CartPole-v1", frames_per_batch=8, backend="ray", ray_actor_options={"num_cpus": -1})
+
+
+async def test_vector_env_zero_copy_and_split_trajs():
+    """A gymnasium VectorEnv per actor (its sub-envs are rows), batches lent without a copy,
+    split into trajectories: what worker processes give."""
+
+    def make_vec():
+        return gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="vector_entry_point")
+
+    with anyio.fail_after(60):
+        async with Collector(make_vec, None, frames_per_batch=2 * 4 * 16, total_frames=128 * 3, num_workers=2,
+                             backend="ray", zero_copy=True, seed=5) as c:
+            n = 0
+            async for batch in c:
+                seen(c)
+                assert batch.batch_size == torch.Size([8, 16])
+                check_cartpole(batch)
+                n += 1
+        assert n == 3
+        async with Collector(make_vec, None, frames_per_batch=128, num_workers=2, backend="ray", split_trajs=True,
+                             seed=5) as c:
+            batch = await c.collect()
+            seen(c)
+    mask = batch["collector", "mask"]
+    assert mask.ndim == 2 and int(mask.sum()) == 128
+    traj = batch["collector", "traj_ids"]
+    assert bool(((traj == traj[:, :1]) | ~mask).all())  # one trajectory per row
+
+
+async def test_weights_before_the_first_batch_and_from_another_task():
+    """update_weights right after entering `async with` (before any batch) and from a task of
+    its own while the consumer iterates: the frames carry the versions, in order."""
+    policy = Greedy()
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, total_frames=64 * 6, num_workers=2,
+                             envs_per_worker=2, backend="ray", prefetch=0) as c:
+            first = await c.update_weights(policy, wait=True)
+            versions = []
+            async with anyio.create_task_group() as tg:
+
+                async def publisher():
+                    for _ in range(3):
+                        await c.update_weights(policy, wait=True)
+
+                tg.start_soon(publisher)
+                async for batch in c:
+                    seen(c)
+                    versions.append(int(batch["collector", "policy_version"].min()))
+    assert first == 1 and versions[0] >= 1 and versions == sorted(versions) and versions[-1] >= 2
+
+
+@pytest.mark.timeout(90)
+def test_starts_ray_when_not_initialised(tmp_path):
+    """Without ray.init the collector starts a local Ray instance, collects, and the script
+    exits cleanly (what a user's first try looks like)."""
+    import subprocess
+
+    script = tmp_path / "first_try.py"
+    script.write_text(
+        "import asyncio, logging\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
+        "from aiocollect import Collector\n"
+        "async def main():\n"
+        "    async with Collector('CartPole-v1', frames_per_batch=64, total_frames=128, num_workers=2,\n"
+        "                         backend='ray') as c:\n"
+        "        async for batch in c:\n"
+        "            print('batch', tuple(batch.batch_size), flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("batch (2, 32)") == 2
+    assert "starting a local Ray instance" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_runs(tmp_path):
+    """benchmarks/ray_backend.py, shortened: it prints its table and writes its JSON."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "ray_backend.py"), "--seconds", "0.3", "--warmup", "0",
+         "--rounds", "1", "--updates", "3", "--frames-per-batch", "256", "--ray-cpus", "2",
+         "--json", str(tmp_path / "ray.json")],
+        capture_output=True, text=True, timeout=110, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ray.init (a local instance)" in out.stdout and "WeightsApplied collecting" in out.stdout
+    rows = json.loads((tmp_path / "ray.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["process", "ray"] and all(r["fps"] > 0 for r in rows)
+
+
+def test_zz_no_actor_alive_after_the_module():
+    """(Run last in the module: every actor of the tests above is dead as Ray sees it.)"""
+    deadline = time.monotonic() + 10
+    while _ours_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours_alive() == []
+    assert np.ndim(0) == 0
