@@ -114,6 +114,12 @@ class EvaluatorConfig:
     """Seconds the worker may spend in one env ``step``/``reset`` or one policy call of an
     evaluation before it is declared hung and killed (:class:`WorkerTimeoutError`, or a restart).
     ``None``: never."""
+    backend: Literal["process", "ray"] = "process"
+    """Where the worker runs: ``"process"`` (a process forked on this machine) or ``"ray"`` (a Ray
+    actor, anywhere in the Ray cluster; ``pip install 'aiocollect[ray]'``, see ``docs/ray.md``)."""
+    ray_actor_options: dict | None = None
+    """``backend="ray"``: options for the worker's actor, as Ray's ``.options()`` takes them
+    (``num_cpus`` (default 1), ``resources``, ``scheduling_strategy``, ``runtime_env`` ...)."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -163,6 +169,21 @@ class EvaluatorConfig:
             _positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
         if self.step_timeout is not None:
             _positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+        if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
+            raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")
+        if self.backend == "ray":
+            from ._ray import check_actor_options
+
+            check_actor_options(self.ray_actor_options, 1)
+        elif self.ray_actor_options is not None:
+            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
+
+    @property
+    def actor_options(self) -> dict:
+        """``backend="ray"``: the worker's actor options, with aiocollect's defaults filled in."""
+        from ._ray import check_actor_options
+
+        return check_actor_options(self.ray_actor_options, 1)[0]
 
 
 def on_cpu(policy: Any) -> Any:

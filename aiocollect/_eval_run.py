@@ -14,7 +14,7 @@ import itertools
 import sys
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 import anyio
 import numpy as np
@@ -28,6 +28,9 @@ from ._eval_wire import Aborted, Failed, Result
 from ._resource import unwrap_group as _unwrap, wait_shielded
 from ._supervisor import RestartBudget
 from ._systask import spawn_system_task
+
+if TYPE_CHECKING:
+    from ._ray_eval import RayEvalWorker
 from .events import EvaluationCompleted, EvaluationFailed, WorkerFailed, WorkerRestarted
 
 
@@ -99,7 +102,7 @@ class EvalRun:
         self.queue: deque[Request] = deque()
         self.current: Request | None = None  # running in the worker
         self.reporting: Request | None = None  # done; its events and on_result are running
-        self.proc: EvalProcess | None = None
+        self.proc: EvalProcess | RayEvalWorker | None = None
         self.errors: list[BaseException] = []  # background failures nobody has seen yet
         self.start_error: BaseException | None = None
         self.unconsumed: dict | None = None
@@ -259,8 +262,19 @@ class EvalRun:
         raise first
 
     # -- the worker -------------------------------------------------------------------------------
-    async def _spawn(self, tg: Any) -> EvalProcess:
+    async def _spawn(self, tg: Any) -> EvalProcess | RayEvalWorker:
         after = "; a new worker replaces it (on_worker_failure='restart')" if self.restart else "; the next evaluation starts a new worker"
+        if self.config.backend == "ray":
+            from ._ray_eval import RayEvalWorker
+
+            return await RayEvalWorker.open(
+                tg,
+                worker_config=self.worker_config,
+                watch=self.config.step_timeout is not None,
+                after_death=after,
+                on_death=self._worker_died,
+                options=self.config.actor_options,
+            )
         return await EvalProcess.open(
             tg,
             needs=self.needs,
@@ -270,7 +284,7 @@ class EvalRun:
             on_death=self._worker_died,
         )
 
-    def _worker_died(self, proc: EvalProcess, exc: WorkerError) -> None:
+    def _worker_died(self, proc: "EvalProcess | RayEvalWorker", exc: WorkerError) -> None:
         """Between evaluations nobody waits on the worker: report its death now (under
         ``"restart"``: replace it now). One killed as hung had its evaluation end meanwhile:
         the next evaluation starts a new worker."""
@@ -281,7 +295,7 @@ class EvalRun:
         else:
             self.add_error(exc)
 
-    async def _live_worker(self, tg: Any) -> EvalProcess:
+    async def _live_worker(self, tg: Any) -> EvalProcess | RayEvalWorker:
         """The worker, or a new one if there is none or it is gone (its failure was reported)."""
         proc = self.proc
         if proc is None or proc.dead is not None or proc.failed:
@@ -292,7 +306,7 @@ class EvalRun:
             proc = self.proc = await self._spawn(tg)
         return proc
 
-    async def _replace(self, tg: Any, proc: EvalProcess | None, error: BaseException) -> None:
+    async def _replace(self, tg: Any, proc: EvalProcess | RayEvalWorker | None, error: BaseException) -> None:
         """``proc`` died, crashed or hung (``error``): emit :class:`WorkerFailed`, stop it and,
         within the restart budget, start a new worker (:class:`WorkerRestarted`). Past the
         budget, raises ``error`` with a note saying so (the next evaluation starts a new worker)."""

@@ -127,6 +127,8 @@ class Evaluator(Service):
         max_restarts: int = 3,
         restart_window: float | None = 60.0,
         step_timeout: float | None = None,
+        backend: Literal["process", "ray"] = "process",
+        ray_actor_options: dict | None = None,
     ) -> None:
         self.config = c = EvaluatorConfig(
             env=env,
@@ -150,11 +152,14 @@ class Evaluator(Service):
             max_restarts=max_restarts,
             restart_window=restart_window,
             step_timeout=step_timeout,
+            backend=backend,
+            ray_actor_options=ray_actor_options,
         )
         worker_config, needs = worker_setup(c)
         self._run = EvalRun(c, worker_config, needs)
-        # let the launcher import what the worker needs while the caller does other things
-        get_launcher().ensure_started(needs)
+        if c.backend == "process":
+            # let the launcher import what the worker needs while the caller does other things
+            get_launcher().ensure_started(needs)
 
     # -- public state -----------------------------------------------------------------------------
     @property
@@ -170,7 +175,8 @@ class Evaluator(Service):
 
     @property
     def worker_pid(self) -> int | None:
-        """Process id of the worker process (``None`` before it started, after it died or closed)."""
+        """Process id of the worker process (``None`` before it started, after it died or closed;
+        with ``backend="ray"``, the actor's process id on its node)."""
         proc = self._run.proc
         return proc.pid if proc is not None and proc.dead is None else None
 

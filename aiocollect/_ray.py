@@ -518,8 +518,11 @@ async def start_ray_workers(configs: list[RolloutConfig], options: list[dict]) -
 
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            for w in workers:
-                tg.start_soon(handshake, w)
+            tg.start_soon(_warn_if_slow, workers, ray)
+            async with anyio.create_task_group() as starting:
+                for w in workers:
+                    starting.start_soon(handshake, w)
+            tg.cancel_scope.cancel()
         log.debug("aiocollect: %d Ray actors ready in %.1f s", len(workers), time.perf_counter() - t0)
         return workers, [w.spec for w in workers]  # type: ignore[misc]
     except BaseException:
@@ -527,6 +530,26 @@ async def start_ray_workers(configs: list[RolloutConfig], options: list[dict]) -
             for w in workers:
                 await w.stop(0)
         raise
+
+
+_SLOW_START = 20.0  # seconds after which actors not yet up are logged (Ray may lack their resources)
+
+
+async def _warn_if_slow(workers: list[RayWorker], ray: Any) -> None:
+    """Actors that wait for resources wait for ever, silently: say so on the ``aiocollect``
+    logger (once), with what they asked for and what the cluster has free."""
+    await anyio.sleep(_SLOW_START)
+    waiting = [w for w in workers if w.spec is None]
+    if waiting:
+        try:
+            free = ray.available_resources()
+        except Exception:  # noqa: BLE001 - informative only
+            free = "?"
+        log.warning(
+            "aiocollect: %d of %d Ray actors are not running after %.0f s; each asks for %s and the cluster has %s "
+            "free: lower num_cpus in ray_actor_options, use fewer workers, or add nodes (an actor waits until "
+            "its resources are free)", len(waiting), len(workers), _SLOW_START, waiting[0].options, free,
+        )
 
 
 def setup_ray_slots(workers: list[RayWorker], layout: SlotLayout, shared_store: Any, watch: bool) -> tuple[int, Any]:

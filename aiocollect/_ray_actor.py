@@ -171,6 +171,83 @@ class RolloutActor:
                 self.rollout.close()
 
 
+class EvalActor:
+    """The Evaluator's worker as a Ray actor: the same episodes loop as its worker process
+    (:class:`~aiocollect._eval_worker.EvalWorker`), called instead of messaged. ``abort``,
+    ``stuck`` and ``stack`` run in the ``"control"`` group, beside an evaluation."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.current: int | None = None  # the evaluation in progress
+        self.aborted: int | None = None  # the evaluation its caller gave up on
+        self.thread: int | None = None
+        beat = bytearray(_heartbeat.NBYTES)
+        self.beat = beat
+        self.monitor = _heartbeat.HeartbeatMonitor(beat, 0)
+
+    def setup(self, config: bytes, watch: bool) -> tuple:
+        """Make the envs and the policy: ``("ready", pid, node id)``, or ``("error", packed
+        exception, traceback)``."""
+        import cloudpickle
+
+        from ._eval_worker import EvalWorker, _Abort
+
+        actor = self
+
+        class Worker(EvalWorker):
+            def tick(self) -> None:  # (no socket: an abort is a flag set by the control thread)
+                if actor.aborted is not None and actor.aborted == actor.current:
+                    raise _Abort
+
+        try:
+            worker = Worker(None)  # type: ignore[arg-type]
+            worker.setup(cloudpickle.loads(config))
+        except Exception as exc:  # noqa: BLE001 - reported to the evaluator
+            return _packed(exc)
+        if watch:
+            worker.hb = _heartbeat.Heartbeat(self.beat, 0)
+        self.worker = worker
+        return ("ready", os.getpid(), _node_id())
+
+    def evaluate(self, rid: int, weights: Any, episodes: int) -> tuple:
+        """Evaluation ``rid``: ``("result", rid, returns, lengths)``, ``("aborted", rid)`` or
+        ``("failed", rid, packed exception, traceback)`` (the actor stays usable)."""
+        from ._eval_worker import _Abort
+        from ._peer import pack_exception
+
+        self.current, self.thread = rid, threading.get_ident()
+        try:
+            if self.aborted == rid:
+                return ("aborted", rid)
+            self.worker.load_weights(weights)
+            returns, lengths = self.worker.evaluate(episodes)
+        except _Abort:
+            return ("aborted", rid)
+        except Exception as exc:  # noqa: BLE001 - the evaluation fails, the actor goes on
+            return ("failed", rid, pack_exception(exc), traceback.format_exc())
+        finally:
+            self.current = None
+        return ("result", rid, returns, lengths)
+
+    def abort(self, rid: int) -> None:
+        """Stop evaluation ``rid`` at its next step (or before it starts)."""
+        self.aborted = rid
+
+    def ping(self) -> None:
+        """(The evaluator asks now and then between evaluations: a dead actor raises.)"""
+
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        return self.monitor.stuck(timeout)
+
+    def stack(self) -> str:
+        frame = sys._current_frames().get(self.thread) if self.thread is not None else None
+        return "" if frame is None else "".join(traceback.format_stack(frame))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
 def _packed(exc: BaseException) -> tuple[str, bytes, str]:
     from ._peer import pack_exception
 
@@ -188,4 +265,4 @@ def _node_id() -> str:
         return ""
 
 
-__all__ = ["CONTROL", "RolloutActor"]
+__all__ = ["CONTROL", "EvalActor", "RolloutActor"]

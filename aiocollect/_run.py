@@ -135,6 +135,7 @@ class Run:
         self.task: Any = None
         self.loop: Any = None
         self.producer: Producer | None = None
+        self.launching: anyio.CancelScope | None = None  # while the workers start
 
     @property
     def rows_per_worker(self) -> int:
@@ -223,6 +224,11 @@ class Run:
         self.check_loop()
         self.closing = True
         self.stop.set()
+        if self.launching is not None and self.config.backend_name == "ray":
+            # Ray actors still starting may wait for ever (for resources the cluster lacks): end
+            # the start-up (its actors are killed). Worker processes start in bounded time and
+            # their start-up is waited for (it is not cancel-safe between fork and handshake).
+            self.launching.cancel()
         try:
             await wait_shielded(self.done)  # even under task.cancel(): the workers are gone first
         finally:
@@ -454,32 +460,35 @@ class Run:
             try:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
-                    async with anyio.create_task_group() as starting:
-                        if "tensordict" not in sys.modules:
-                            starting.start_soon(import_in_thread, "tensordict")
-                        await launch_workers(self)
-                    self.stats.start()
-                    for w in self.workers:
-                        await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
-                    await self.emit(
-                        ev.CollectorStarted,
-                        num_workers=self.config.num_workers,
-                        envs_per_worker=self.config.envs_per_worker,
-                        pids=tuple(w.pid for w in self.workers if w.pid is not None),
-                        startup_seconds=time.perf_counter() - t_launch,
-                    )
-                    self.state = State.RUNNING
-                    self.started.set()
-                    for w in self.workers:
-                        tg.start_soon(supervise, self, w)
-                    tg.start_soon(self.producer.produce)  # type: ignore[union-attr]
-                    if self.sink is not None:
-                        tg.start_soon(self._drain_into_sink)
-                    if self.config.step_timeout is not None:
-                        tg.start_soon(watchdog, self, self.config.step_timeout)
-                    if self.server is not None:
-                        tg.start_soon(self.server.watch)
-                    await self.stop.wait()
+                    with anyio.CancelScope() as self.launching:  # (aclose() cancels a start-up in progress)
+                        async with anyio.create_task_group() as starting:
+                            if "tensordict" not in sys.modules:
+                                starting.start_soon(import_in_thread, "tensordict")
+                            await launch_workers(self)
+                    self.launching = None
+                    if not self.closing:  # (else closed while starting: nothing more to start)
+                        self.stats.start()
+                        for w in self.workers:
+                            await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
+                        await self.emit(
+                            ev.CollectorStarted,
+                            num_workers=self.config.num_workers,
+                            envs_per_worker=self.config.envs_per_worker,
+                            pids=tuple(w.pid for w in self.workers if w.pid is not None),
+                            startup_seconds=time.perf_counter() - t_launch,
+                        )
+                        self.state = State.RUNNING
+                        self.started.set()
+                        for w in self.workers:
+                            tg.start_soon(supervise, self, w)
+                        tg.start_soon(self.producer.produce)  # type: ignore[union-attr]
+                        if self.sink is not None:
+                            tg.start_soon(self._drain_into_sink)
+                        if self.config.step_timeout is not None:
+                            tg.start_soon(watchdog, self, self.config.step_timeout)
+                        if self.server is not None:
+                            tg.start_soon(self.server.watch)
+                        await self.stop.wait()
                     tg.cancel_scope.cancel()
             except cancelled:
                 if not self.closing:  # the loop is shutting down under us (asyncio.run's end)

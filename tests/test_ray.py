@@ -302,15 +302,17 @@ async def test_step_timeout_kills_a_hung_actor():
     assert "in _hang" in message  # the rollout thread's stack, taken from the actor's control thread
 
 
-async def test_cancellation_leaves_no_actor():
-    """A consumer cancelled mid-iteration: aclose (from async with) still kills every actor."""
+@pytest.mark.parametrize("delay", [0.0, 0.7, 3.0])
+async def test_cancellation_leaves_no_actor(delay):
+    """A consumer cancelled while the actors start (0 s, 0.7 s) or mid-iteration (3 s): aclose
+    (from async with) still kills every actor."""
     pids: tuple[int, ...] = ()
-    with anyio.move_on_after(3) as scope:
+    with anyio.move_on_after(delay) as scope:
         async with Collector("CartPole-v1", None, frames_per_batch=64, num_workers=2, envs_per_worker=2,
                              backend="ray") as c:
             async for _ in c:
                 pids = seen(c)
-    assert scope.cancelled_caught and len(pids) == 2
+    assert scope.cancelled_caught and (len(pids) == 2 or delay < 3)
     deadline = time.monotonic() + 5
     while _ours_alive() and time.monotonic() < deadline:
         await anyio.sleep(0.05)
@@ -353,7 +355,17 @@ def test_config_errors(monkeypatch):
         Collector("CartPole-v1", frames_per_batch=8, backend="dask")
     with pytest.raises(ConfigError, match="profiler"):
         Collector("CartPole-v1", frames_per_batch=8, backend="ray").enable_profile()
+    from aiocollect import Evaluator
+
+    with pytest.raises(ConfigError, match="'process' or 'ray'"):
+        Evaluator("CartPole-v1", backend="dask")
+    with pytest.raises(ConfigError, match="for backend='ray'"):
+        Evaluator("CartPole-v1", ray_actor_options={"num_cpus": 1})
+    with pytest.raises(ConfigError, match="which Ray .* do not take"):
+        Evaluator("CartPole-v1", backend="ray", ray_actor_options={"gpus": 1})
     monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match=r"pip install 'aiocollect\[ray\]'"):
+        Evaluator("CartPole-v1", backend="ray")
     with pytest.raises(ConfigError, match=r"pip install 'aiocollect\[ray\]'"):
         Collector("CartPole-v1", frames_per_batch=8, backend="ray")
 
@@ -438,6 +450,106 @@ def test_starts_ray_when_not_initialised(tmp_path):
     assert "starting a local Ray instance" in out.stderr
 
 
+# ---- the Evaluator as a Ray actor --------------------------------------------------------------------
+
+
+def episodes(returns, lengths) -> dict:
+    """metrics_fn that exposes every episode."""
+    return {"returns": returns.tolist(), "lengths": lengths.tolist()}
+
+
+async def test_evaluator_on_ray_gives_the_process_workers_results():
+    """Same seed, same policy and weights: the actor's episodes are the worker process's."""
+    from aiocollect import Evaluator
+
+    policy = Greedy(seed=3)
+    with torch.no_grad():  # a balancing controller: push towards the side the pole falls to
+        for p in policy.parameters():
+            p.zero_()
+        policy.net[0].weight[0, 2:] = 1.0
+        policy.net[2].weight[:, 0] = torch.tensor([-1.0, 1.0])
+    results = {}
+    with anyio.fail_after(60):
+        for backend in ("process", "ray"):
+            async with Evaluator("CartPole-v1", policy, num_trajectories=4, num_envs=2, seed=11, backend=backend,
+                                 metrics_fn=episodes) as ev:
+                first = await ev.evaluate(policy)
+                bias = policy.net[2].bias.detach().clone()
+                with torch.no_grad():
+                    policy.net[2].bias.copy_(torch.tensor([5.0, -5.0]))  # always left: short episodes
+                second = await ev.evaluate(policy)
+                with torch.no_grad():
+                    policy.net[2].bias.copy_(bias)
+                if backend == "ray":
+                    pid = ev.worker_pid
+                    _pids.append(pid)
+            results[backend] = (first["returns"], second["returns"])
+    assert results["ray"] == results["process"]
+    assert max(results["ray"][1]) < 20 and min(results["ray"][0]) >= 100
+    assert pid is not None and not os.path.exists(f"/proc/{pid}")
+
+
+async def test_training_loop_with_a_ray_collector_and_a_ray_evaluator():
+    """The whole program on Ray: collect, train, update, evaluate in the background every other
+    batch (results as events), to the end of total_frames; then both close and no actor is left."""
+    from aiocollect import Evaluator
+    from aiocollect.events import EvaluationCompleted
+
+    policy = Greedy()
+    completed = []
+    with anyio.fail_after(90):  # (3 actors on the 2-CPU instance: fractions of a CPU each)
+        async with Evaluator("CartPole-v1", policy, num_trajectories=2, seed=0, backend="ray",
+                             busy_policy="queue", metrics_fn=episodes, ray_actor_options={"num_cpus": 0.5}) as evaluator, \
+                Collector("CartPole-v1", policy, frames_per_batch=128, total_frames=128 * 6, num_workers=2,
+                          envs_per_worker=2, backend="ray", ray_actor_options={"num_cpus": 0.5}) as collector:
+            evaluator.on(EvaluationCompleted, completed.append)
+            step = 0
+            async for batch in collector:
+                seen(collector)
+                check_cartpole(batch)
+                with torch.no_grad():
+                    policy.net[0].weight.mul_(0.99)
+                await collector.update_weights(policy)
+                step += 1
+                if step % 2 == 0:
+                    evaluator.trigger(policy, step=step)
+            await evaluator.wait()
+            _pids.append(evaluator.worker_pid)
+    assert [e.step for e in completed] == [2, 4, 6]
+    assert all(len(e.metrics["returns"]) == 2 for e in completed)
+
+
+async def test_evaluator_actor_killed_is_replaced_and_hangs_are_found(tmp_path):
+    """on_worker_failure="restart": an actor killed between evaluations is replaced (events);
+    step_timeout: a hung env fails the evaluation with WorkerTimeoutError and the actor's stack."""
+    from aiocollect import Evaluator
+    from aiocollect.events import WorkerRestarted
+
+    restarted = []
+    with anyio.fail_after(60):
+        async with Evaluator("CartPole-v1", num_trajectories=2, seed=0, backend="ray",
+                             on_worker_failure="restart", metrics_fn=episodes) as ev:
+            ev.on(WorkerRestarted, restarted.append)
+            await ev.evaluate()
+            old = ev.worker_pid
+            ray.kill(ev._run.proc.actor)
+            for _ in range(100):  # noticed between evaluations (a ping every second), replaced
+                if restarted:
+                    break
+                await anyio.sleep(0.1)
+            metrics = await ev.evaluate()
+            _pids.extend([old, ev.worker_pid])
+        assert restarted and restarted[0].old_pid == old and ev.restarts == 1
+        assert len(metrics["returns"]) == 2
+        async with Evaluator(CountingEnv, num_trajectories=2, num_envs=2, seed=0, step_timeout=0.5, backend="ray",
+                             env_kwargs={"episode_length": 5, "hang_at_step": 3}) as ev:
+            with pytest.raises(WorkerTimeoutError) as info:
+                await ev.evaluate()
+            _pids.append(info.value and ev._run.proc.pid if ev._run.proc else None)
+    message = str(info.value)
+    assert "the evaluator's worker (Ray actor" in message and "step()" in message and "in _hang" in message
+
+
 @pytest.mark.timeout(120)
 def test_benchmark_runs(tmp_path):
     """benchmarks/ray_backend.py, shortened: it prints its table and writes its JSON."""
@@ -455,6 +567,21 @@ def test_benchmark_runs(tmp_path):
     assert "ray.init (a local instance)" in out.stdout and "WeightsApplied collecting" in out.stdout
     rows = json.loads((tmp_path / "ray.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["process", "ray"] and all(r["fps"] > 0 for r in rows)
+
+
+async def test_aclose_while_actors_wait_for_resources():
+    """Actors that can never be scheduled (more CPUs than the instance has): aclose() (leaving
+    `async with` on a timeout) ends the start-up, with no actor left waiting."""
+    c = Collector("CartPole-v1", None, frames_per_batch=64, num_workers=2, envs_per_worker=2, backend="ray",
+                  ray_actor_options={"num_cpus": 3})
+    with anyio.move_on_after(3) as scope:
+        async with c:
+            await c.collect()
+    assert scope.cancelled_caught and c.state.value == "closed"
+    deadline = time.monotonic() + 5
+    while _ours_alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    assert not _ours_alive()
 
 
 def test_zz_no_actor_alive_after_the_module():

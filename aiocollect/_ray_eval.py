@@ -1,0 +1,219 @@
+"""The Evaluator's worker as a Ray actor (``Evaluator(..., backend="ray")``): the parent's side,
+with the interface of :class:`~aiocollect._eval_process.EvalProcess` that
+:class:`~aiocollect._eval_run.EvalRun` drives. The actor is
+:class:`~aiocollect._ray_actor.EvalActor`: the same episodes loop as the worker process.
+
+An evaluation is one ``evaluate`` call (its weights travel as its argument), awaited without
+blocking the loop; its answer becomes the message the process worker would have sent
+(:class:`~aiocollect._eval_wire.Result`, :class:`~aiocollect._eval_wire.Failed` or
+:class:`~aiocollect._eval_wire.Aborted`), so that failures, aborts and restarts are handled by the
+same code. A dead actor is noticed by the call in progress, or between evaluations by a ping
+every second.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import anyio
+
+from ._errors import BrokenWorkerError, WorkerError, WorkerTimeoutError
+from ._eval_wire import Aborted, Answer, Failed, Result
+from ._heartbeat import POLICY, describe
+from ._ray import _Caller, import_ray, _this_node
+from ._workers import worker_error
+
+_PING = 1.0  # seconds between checks that an idle actor is alive
+
+
+async def _value(ref: Any) -> Any:
+    """The value of ``ref``, awaited without blocking the event loop."""
+    fut = ref.future()
+    if not fut.done():
+        done = anyio.Event()
+        caller = _Caller()
+        fut.add_done_callback(lambda _: caller.soon(done.set))
+        await done.wait()
+    return fut.result()
+
+
+class RayEvalWorker:
+    """The evaluator's worker, a Ray actor (replaced by a new one after a failure)."""
+
+    def __init__(self, actor: Any, options: dict, *, after_death: str) -> None:
+        self.actor = actor
+        self.options = options
+        self.after_death = after_death
+        self.pid: int | None = None
+        self.node = ""
+        self.dead: WorkerError | None = None  # the actor died (or was killed as hung)
+        self.failed = False  # (a process worker's fatal error: an actor has none, it dies)
+        self.hung: WorkerError | None = None
+        self.scope: anyio.CancelScope | None = None
+        self.busy = False  # an evaluation is in progress (the ping is not needed then)
+
+    @property
+    def name(self) -> str:
+        return f"the evaluator's worker (Ray actor, pid {self.pid})"
+
+    @classmethod
+    async def open(
+        cls,
+        tg: Any,
+        *,
+        worker_config: bytes,
+        watch: bool,
+        after_death: str,
+        on_death: Callable[["RayEvalWorker", WorkerError], None],
+        options: dict,
+        **_: Any,
+    ) -> "RayEvalWorker":
+        """A new actor, its envs made and its policy checked; its liveness watched in ``tg``
+        (``on_death`` when it dies between evaluations). Raises what it raised while starting."""
+        from ._ray import ensure_ray
+        from ._ray_actor import EvalActor
+
+        ray = import_ray()
+        ensure_ray(ray)
+        cls_ = ray.remote(concurrency_groups={"control": 1})(EvalActor)
+        worker = cls(cls_.options(max_concurrency=1, **options).remote(), options, after_death=after_death)
+        try:
+            try:
+                answer = await _value(worker.actor.setup.remote(worker_config, watch))
+            except Exception as exc:  # noqa: BLE001 - it died while starting
+                raise worker._died(exc) from None
+            if answer[0] == "error":
+                raise worker._error(answer[1], answer[2])
+            _, worker.pid, worker.node = answer
+            await tg.start(worker.read, on_death)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await worker.stop(0)
+            raise
+        return worker
+
+    def _died(self, exc: BaseException) -> WorkerError:
+        return self.hung or BrokenWorkerError(
+            f"{self.name} died: {exc}\nIt was killed from outside (ray.kill, a node failure, the OOM killer) or "
+            f"crashed{self.after_death}",
+            worker=None,
+        )
+
+    def _error(self, packed: bytes, text: str) -> BaseException:
+        import cloudpickle
+
+        try:
+            exc = cloudpickle.loads(packed)
+        except Exception:  # noqa: BLE001 - its class cannot be loaded here
+            exc = None
+        return worker_error(None, self.pid, exc, text, who=self.name)
+
+    # -- liveness -----------------------------------------------------------------------------------
+    async def read(self, on_death: Callable[["RayEvalWorker", WorkerError], None], *, task_status: Any) -> None:
+        """Between evaluations, ask the actor every second whether it is alive."""
+        with anyio.CancelScope() as scope:
+            self.scope = scope
+            task_status.started()
+            while self.dead is None:
+                await anyio.sleep(_PING)
+                if self.busy:
+                    continue
+                try:
+                    await _value(self.actor.ping.options(concurrency_group="control").remote())
+                except Exception as exc:  # noqa: BLE001 - it died
+                    if self.dead is None:
+                        self.dead = self._died(exc)
+                        on_death(self, self.dead)
+
+    # -- evaluations ----------------------------------------------------------------------------------
+    async def evaluate(self, req: Any, weights: Any, episodes: int) -> Answer:
+        """Run evaluation ``req``; its answer as the process worker's message. Raises the
+        actor's death (or hang)."""
+        if self.dead is not None:
+            raise self.dead
+        self.busy = True
+        try:
+            ref = self.actor.evaluate.remote(req.id, weights, episodes)
+            req.sent = True
+            if req.abandoned:
+                self.abort_nowait(req.id)
+            try:
+                answer = await _value(ref)
+            except Exception as exc:  # noqa: BLE001 - it died or was killed as hung
+                self.dead = self._died(exc)
+                raise self.dead from None
+        finally:
+            self.busy = False
+        kind = answer[0]
+        if kind == "result":
+            return Result(answer[1], answer[2], answer[3])
+        if kind == "aborted":
+            return Aborted(answer[1])
+        return Failed(answer[1], answer[2], answer[3])
+
+    def abort_nowait(self, rid: int) -> None:
+        self.actor.abort.options(concurrency_group="control").remote(rid)
+
+    def failure(self, msg: Any) -> BaseException:
+        return self._error(msg.exception, msg.traceback)
+
+    # -- hangs and stopping ---------------------------------------------------------------------------
+    async def check_hung(self, timeout: float) -> None:
+        """If the actor has spent longer than ``timeout`` in one call, take its stack, record the
+        :class:`WorkerTimeoutError` in :attr:`hung` and kill it."""
+        try:
+            with anyio.fail_after(max(timeout, 1.0)):
+                stuck = await _value(self.actor.stuck.options(concurrency_group="control").remote(timeout))
+        except Exception:  # noqa: BLE001 - dead (the evaluation's call says so), or too slow to answer
+            return
+        if stuck is None:
+            return
+        what, env, seconds = stuck
+        stack = ""
+        with anyio.move_on_after(1.0):
+            try:
+                stack = await _value(self.actor.stack.options(concurrency_group="control").remote())
+            except Exception:  # noqa: BLE001
+                pass
+        doing = describe(what, env)
+        if self.dead is None:
+            self.hung = WorkerTimeoutError(
+                f"{self.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout={timeout:g}). "
+                f"It was killed. Its stack when it was declared hung:\n{stack.rstrip() or '(not available)'}"
+                f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
+                f"on_worker_failure='restart' to run the evaluation again on a new worker",
+                worker=None,
+                env=env if what != POLICY else None,
+                doing=doing,
+            )
+            import_ray().kill(self.actor, no_restart=True)
+
+    def stop_nowait(self) -> None:
+        """Kill the actor now (the event loop is going away)."""
+        try:
+            import_ray().kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - Ray is shutting down too
+            pass
+
+    async def stop(self, timeout: float) -> None:
+        """Let the actor close its envs (at most ``timeout`` seconds), then kill it and, on this
+        node, wait until its process is gone."""
+        import os
+
+        if self.scope is not None:
+            self.scope.cancel()
+        ray = import_ray()
+        if self.dead is None:
+            with anyio.move_on_after(timeout):
+                try:
+                    await _value(self.actor.close.remote())
+                except Exception:  # noqa: BLE001 - dead already, or its envs' close() raised
+                    pass
+        ray.kill(self.actor, no_restart=True)
+        if self.pid is not None and self.node and self.node == _this_node():
+            with anyio.move_on_after(2.0):
+                while os.path.exists(f"/proc/{self.pid}"):
+                    await anyio.sleep(0.01)
+
+
+__all__ = ["RayEvalWorker"]
