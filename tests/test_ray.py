@@ -272,7 +272,8 @@ async def test_killed_actor_is_replaced():
     assert n == 8 and c.frames == 512
     assert [e.worker for e in failed] == [0] and isinstance(failed[0].error, BrokenWorkerError)
     assert len(restarted) == 1 and restarted[0].pid != restarted[0].old_pid
-    assert c.stats()["restarts"] == 1 if isinstance(c.stats(), dict) else True
+    stats = c.stats()
+    assert stats.restarts == 1 and stats.frames == 512
 
 
 async def test_env_error_in_actor_names_the_worker():
@@ -321,7 +322,10 @@ async def test_cancellation_leaves_no_actor(delay):
 
 
 async def test_actor_options_reach_ray():
-    """ray_actor_options: a runtime_env variable the env factory reads, and fractional CPUs."""
+    """ray_actor_options: a runtime_env variable the env factory reads, fractional CPUs; then one
+    dict per worker placing each actor in its bundle of a placement group, and node affinity."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     def make_env():
         assert os.environ.get("AIOCOLLECT_RAY_TEST") == "yes", "runtime_env did not reach the actor"
@@ -333,7 +337,31 @@ async def test_actor_options_reach_ray():
                                                 "runtime_env": {"env_vars": {"AIOCOLLECT_RAY_TEST": "yes"}}}) as c:
             batch = await c.collect()
             seen(c)
-    assert batch.batch_size == torch.Size([2, 16])
+        assert batch.batch_size == torch.Size([2, 16])
+        pg = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
+        try:
+            await anyio.to_thread.run_sync(lambda: ray.get(pg.ready(), timeout=20))
+            per_worker = [{"num_cpus": 0.5, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+                          for i in range(2)]
+            async with Collector("CartPole-v1", None, frames_per_batch=32, num_workers=2, backend="ray",
+                                 ray_actor_options=per_worker) as c:
+                await c.collect()
+                seen(c)
+                key = f"CPU_group_{pg.id.hex()}"  # the group's CPUs, free while its bundles are unused
+                for _ in range(50):  # (Ray's resource view lags a little)
+                    if ray.available_resources().get(key, 0.0) == 0.0:
+                        break
+                    await anyio.sleep(0.1)
+                assert ray.available_resources().get(key, 0.0) == 0.0, ray.available_resources()
+        finally:
+            remove_placement_group(pg)
+        node = ray.get_runtime_context().get_node_id()
+        async with Collector("CartPole-v1", None, frames_per_batch=32, num_workers=2, backend="ray",
+                             ray_actor_options={"num_cpus": 0.5,
+                                                "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}) as c:
+            await c.collect()
+            seen(c)
+            assert {w.node for w in c._run.workers} == {node}
 
 
 def test_config_errors(monkeypatch):
