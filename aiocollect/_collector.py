@@ -143,6 +143,7 @@ class Collector(Service, BlockingMixin):
         storing_device: Any = None,
         worker_groups: int = 1,
         env_batch_size: int | None = None,
+        server_priority: str = "normal",
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
         backend: str | None = None,
@@ -186,6 +187,7 @@ class Collector(Service, BlockingMixin):
             storing_device=storing_device,
             worker_groups=worker_groups,
             env_batch_size=env_batch_size,
+            server_priority=server_priority,  # type: ignore[arg-type]
             compile_policy=compile_policy,
             cudagraph_policy=cudagraph_policy,
             backend=backend,  # type: ignore[arg-type]

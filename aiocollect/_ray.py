@@ -166,6 +166,40 @@ class _Caller:
             pass
 
 
+async def await_ref(ref: Any) -> Any:
+    """The value of the object reference ``ref``, awaited without blocking the event loop (Ray's
+    thread completes its future; a callback wakes the loop); raises what the call raised."""
+    fut = ref.future()
+    if not fut.done():
+        done = anyio.Event()
+        caller = _Caller()
+        fut.add_done_callback(lambda _: caller.soon(done.set))
+        await done.wait()
+    return fut.result()
+
+
+async def kill_actor(actor: Any, pid: int | None, node: str) -> None:
+    """``ray.kill`` the actor and, when it ran on this node, wait (2 s at most) until its process
+    is gone."""
+    import_ray().kill(actor, no_restart=True)
+    if pid is not None and node and node == _this_node():
+        with anyio.move_on_after(2.0):
+            while os.path.exists(f"/proc/{pid}"):
+                await anyio.sleep(0.01)
+
+
+_classes: dict[type, Any] = {}
+
+
+def actor_class(cls: type) -> Any:
+    """``cls`` as a Ray actor class with a ``"control"`` concurrency group (made once: Ray exports
+    each actor class it is given)."""
+    remote = _classes.get(cls)
+    if remote is None:
+        remote = _classes[cls] = import_ray().remote(concurrency_groups={"control": 1})(cls)
+    return remote
+
+
 class RayWorker(WorkerHandle):
     """A worker seat whose rollout runs in a Ray actor (replaced by a new actor after a failure)."""
 
@@ -202,14 +236,12 @@ class RayWorker(WorkerHandle):
 
         from ._ray_actor import RolloutActor
 
-        ray = import_ray()
-        cls = ray.remote(concurrency_groups={"control": 1})(RolloutActor)
-        return cls.options(max_concurrency=1, **self.options).remote(cloudpickle.dumps(cfg))
+        return actor_class(RolloutActor).options(max_concurrency=1, **self.options).remote(cloudpickle.dumps(cfg))
 
     async def configure(self, actor: Any) -> tuple[int, str, dict]:
         """Wait for a new actor's envs and policy; return ``(pid, node, spec)``."""
         try:
-            answer = await self._result(actor.spec.remote())
+            answer = await await_ref(actor.spec.remote())
         except Exception as exc:
             raise self._error(exc, "while starting") from None
         if answer[0] == "error":
@@ -229,16 +261,6 @@ class RayWorker(WorkerHandle):
         self.controls.append(fut)  # (its answer: the version of weights sent meanwhile, if applied)
         self.sent = [0] * len(self.stores)
         self._send_weights()
-
-    async def _result(self, ref: Any) -> Any:
-        """The value of ``ref``, awaited without blocking the event loop."""
-        fut = ref.future()
-        if not fut.done():
-            done = anyio.Event()
-            caller = _Caller()
-            fut.add_done_callback(lambda _: caller.soon(done.set))
-            await done.wait()
-        return fut.result()
 
     # -- producer interface ---------------------------------------------------------------------
     def _wake(self) -> None:
@@ -397,7 +419,7 @@ class RayWorker(WorkerHandle):
         stack = ""
         with anyio.move_on_after(1.0):
             try:
-                stack = await self._result(actor.stack.options(concurrency_group="control").remote())
+                stack = await await_ref(actor.stack.options(concurrency_group="control").remote())
             except Exception:  # noqa: BLE001 - died meanwhile
                 pass
         doing = describe(what, env)
@@ -417,7 +439,7 @@ class RayWorker(WorkerHandle):
         old, self.actor = self.actor, None
         if old is not None:
             with anyio.CancelScope(shield=True):
-                await self._kill(old, self.actor_pid, self.node)
+                await kill_actor(old, self.actor_pid, self.node)
         self._forget()
         self.hung = None
         self.restarts += 1
@@ -431,7 +453,7 @@ class RayWorker(WorkerHandle):
                 )
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._kill(actor, None, "")
+                await kill_actor(actor, None, "")
             raise
         self.actor, self.actor_pid, self.node = actor, pid, node
         self.credits = 0
@@ -459,12 +481,12 @@ class RayWorker(WorkerHandle):
             actor.halt.options(concurrency_group="control").remote()
             with anyio.move_on_after(timeout):
                 try:
-                    await self._result(actor.close.remote())
+                    await await_ref(actor.close.remote())
                 except Exception:  # noqa: BLE001 - dead already, or its envs' close() raised
                     pass
         finally:
             try:
-                await self._kill(actor, self.actor_pid, self.node)
+                await kill_actor(actor, self.actor_pid, self.node)
             finally:
                 self._forget()
                 self._free()
@@ -472,14 +494,6 @@ class RayWorker(WorkerHandle):
     def _free(self) -> None:
         self.slots = None  # type: ignore[assignment]  # (the segment is unmapped once no view is left)
         self.stores = []
-
-    async def _kill(self, actor: Any, pid: int | None, node: str) -> None:
-        """Kill ``actor`` and, when it ran on this node, wait (2 s at most) until its process is gone."""
-        import_ray().kill(actor, no_restart=True)
-        if pid is not None and node and node == _this_node():
-            with anyio.move_on_after(2.0):
-                while os.path.exists(f"/proc/{pid}"):
-                    await anyio.sleep(0.01)
 
     def stop_nowait(self) -> None:
         actor, self.actor = self.actor, None
@@ -566,4 +580,7 @@ def setup_ray_slots(workers: list[RayWorker], layout: SlotLayout, shared_store: 
     return fd, mm
 
 
-__all__ = ["RayWorker", "check_actor_options", "import_ray", "setup_ray_slots", "start_ray_workers"]
+__all__ = [
+    "RayWorker", "actor_class", "await_ref", "check_actor_options", "import_ray", "kill_actor", "setup_ray_slots",
+    "start_ray_workers",
+]

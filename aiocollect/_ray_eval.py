@@ -20,21 +20,10 @@ import anyio
 from ._errors import BrokenWorkerError, WorkerError, WorkerTimeoutError
 from ._eval_wire import Aborted, Answer, Failed, Result
 from ._heartbeat import POLICY, describe
-from ._ray import _Caller, import_ray, _this_node
+from ._ray import actor_class, await_ref, import_ray, kill_actor
 from ._workers import worker_error
 
 _PING = 1.0  # seconds between checks that an idle actor is alive
-
-
-async def _value(ref: Any) -> Any:
-    """The value of ``ref``, awaited without blocking the event loop."""
-    fut = ref.future()
-    if not fut.done():
-        done = anyio.Event()
-        caller = _Caller()
-        fut.add_done_callback(lambda _: caller.soon(done.set))
-        await done.wait()
-    return fut.result()
 
 
 class RayEvalWorker:
@@ -73,13 +62,12 @@ class RayEvalWorker:
         from ._ray import ensure_ray
         from ._ray_actor import EvalActor
 
-        ray = import_ray()
-        ensure_ray(ray)
-        cls_ = ray.remote(concurrency_groups={"control": 1})(EvalActor)
-        worker = cls(cls_.options(max_concurrency=1, **options).remote(), options, after_death=after_death)
+        ensure_ray(import_ray())
+        actor = actor_class(EvalActor).options(max_concurrency=1, **options).remote()
+        worker = cls(actor, options, after_death=after_death)
         try:
             try:
-                answer = await _value(worker.actor.setup.remote(worker_config, watch))
+                answer = await await_ref(worker.actor.setup.remote(worker_config, watch))
             except Exception as exc:  # noqa: BLE001 - it died while starting
                 raise worker._died(exc) from None
             if answer[0] == "error":
@@ -119,7 +107,7 @@ class RayEvalWorker:
                 if self.busy:
                     continue
                 try:
-                    await _value(self.actor.ping.options(concurrency_group="control").remote())
+                    await await_ref(self.actor.ping.options(concurrency_group="control").remote())
                 except Exception as exc:  # noqa: BLE001 - it died
                     if self.dead is None:
                         self.dead = self._died(exc)
@@ -138,7 +126,7 @@ class RayEvalWorker:
             if req.abandoned:
                 self.abort_nowait(req.id)
             try:
-                answer = await _value(ref)
+                answer = await await_ref(ref)
             except Exception as exc:  # noqa: BLE001 - it died or was killed as hung
                 self.dead = self._died(exc)
                 raise self.dead from None
@@ -163,7 +151,7 @@ class RayEvalWorker:
         :class:`WorkerTimeoutError` in :attr:`hung` and kill it."""
         try:
             with anyio.fail_after(max(timeout, 1.0)):
-                stuck = await _value(self.actor.stuck.options(concurrency_group="control").remote(timeout))
+                stuck = await await_ref(self.actor.stuck.options(concurrency_group="control").remote(timeout))
         except Exception:  # noqa: BLE001 - dead (the evaluation's call says so), or too slow to answer
             return
         if stuck is None:
@@ -172,7 +160,7 @@ class RayEvalWorker:
         stack = ""
         with anyio.move_on_after(1.0):
             try:
-                stack = await _value(self.actor.stack.options(concurrency_group="control").remote())
+                stack = await await_ref(self.actor.stack.options(concurrency_group="control").remote())
             except Exception:  # noqa: BLE001
                 pass
         doing = describe(what, env)
@@ -198,22 +186,15 @@ class RayEvalWorker:
     async def stop(self, timeout: float) -> None:
         """Let the actor close its envs (at most ``timeout`` seconds), then kill it and, on this
         node, wait until its process is gone."""
-        import os
-
         if self.scope is not None:
             self.scope.cancel()
-        ray = import_ray()
         if self.dead is None:
             with anyio.move_on_after(timeout):
                 try:
-                    await _value(self.actor.close.remote())
+                    await await_ref(self.actor.close.remote())
                 except Exception:  # noqa: BLE001 - dead already, or its envs' close() raised
                     pass
-        ray.kill(self.actor, no_restart=True)
-        if self.pid is not None and self.node and self.node == _this_node():
-            with anyio.move_on_after(2.0):
-                while os.path.exists(f"/proc/{self.pid}"):
-                    await anyio.sleep(0.01)
+        await kill_actor(self.actor, self.pid, self.node)
 
 
 __all__ = ["RayEvalWorker"]

@@ -48,7 +48,7 @@ class InferenceServer:
 
     def __init__(self, policy: Any, spec: dict, seats: int, rows: int, exploration_type: str,
                  device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False,
-                 env_batch_size: int | None = None) -> None:
+                 env_batch_size: int | None = None, priority: str = "normal") -> None:
         from ._policy import PolicySpec, build_runner
 
         self.policy = policy
@@ -98,6 +98,7 @@ class InferenceServer:
         self._stop_fd = -1
         self.failed_fd = -1  # readable once the policy failed (the run's task waits on it)
         self._thread: threading.Thread | None = None
+        self.priority = priority  # "idle": the thread runs under SCHED_IDLE
         self._poller: Any = None
         self.in_loop = False
 
@@ -220,6 +221,8 @@ class InferenceServer:
     def _serve(self) -> None:
         import torch
 
+        if self.priority == "idle":  # (this thread only: Linux schedules threads one by one)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         try:
             with torch.no_grad():
                 while self._serve_ready(timeout=-1):

@@ -158,7 +158,8 @@ async def start_server(run: "Run", spec: dict) -> list:
     policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
     groups = c.worker_groups
     server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
-                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size)
+                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size,
+                             c.server_priority)
     run.server = server
     extras = server.probe()
     if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)

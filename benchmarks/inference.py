@@ -10,7 +10,8 @@ once for ``--seconds`` after ``--warmup``, so a drift of the shared machine touc
   cleanly without them.
 
 "server, 2 groups" is the server with ``worker_groups=2`` (each worker's envs in two groups that
-alternate: one steps while the server computes the other's actions).
+alternate: one steps while the server computes the other's actions); "server, idle" and "idle, 2
+groups" the same with ``server_priority="idle"`` (the server's thread under Linux's ``SCHED_IDLE``).
 
 With ``--serve-in-loop`` the server is also measured as a task on the event loop instead of its
 own thread (the choice ``docs/inference.md`` explains).
@@ -79,13 +80,15 @@ def pong_problem() -> str | None:
     return None
 
 
-SETUPS = {  # name: (inference, where the server serves, policy_device, worker_groups)
-    "worker": ("worker", None, None, 1),
-    "server": ("server", "thread", None, 1),
-    "server, 2 groups": ("server", "thread", None, 2),
-    "server on the loop": ("server", "loop", None, 1),
-    "server on cuda": ("server", "thread", "cuda", 1),
-    "cuda, 2 groups": ("server", "thread", "cuda", 2),
+SETUPS = {  # name: (inference, where the server serves, policy_device, worker_groups, server_priority)
+    "worker": ("worker", None, None, 1, "normal"),
+    "server": ("server", "thread", None, 1, "normal"),
+    "server, 2 groups": ("server", "thread", None, 2, "normal"),
+    "server, idle": ("server", "thread", None, 1, "idle"),
+    "idle, 2 groups": ("server", "thread", None, 2, "idle"),
+    "server on the loop": ("server", "loop", None, 1, "normal"),
+    "server on cuda": ("server", "thread", "cuda", 1, "normal"),
+    "cuda, 2 groups": ("server", "thread", "cuda", 2, "normal"),
 }
 
 
@@ -96,7 +99,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     import aiocollect._server
     from aiocollect import Collector
 
-    inference, serve_in, device, groups = SETUPS[setup]
+    inference, serve_in, device, groups, priority = SETUPS[setup]
     if serve_in is not None:
         aiocollect._server.SERVE_IN = serve_in
     if device is None:
@@ -106,7 +109,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     lags: list[float] = []
     async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
                          envs_per_worker=envs, inference=inference, seed=0, policy_device=device,
-                         worker_groups=groups) as c:
+                         worker_groups=groups, server_priority=priority) as c:
         it = aiter(c)
         await anext(it)  # started, and warm
         t_end = time.perf_counter() + args.warmup
@@ -155,7 +158,8 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
              setups: list[str] | None = None) -> dict:
     import anyio
 
-    setups = setups or ["worker", "server", "server, 2 groups"] + (["server on the loop"] if args.serve_in_loop else [])
+    setups = setups or (["worker", "server", "server, 2 groups", "server, idle", "idle, 2 groups"]
+                        + (["server on the loop"] if args.serve_in_loop else []))
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
     for r in range(args.rounds):
         for setup in setups:

@@ -443,3 +443,43 @@ def test_worker_groups_options_it_refuses(kwargs, match):
     args = dict(frames_per_batch=12, num_workers=1, inference="server") | kwargs
     with pytest.raises(ConfigError, match=match):
         Collector("CartPole-v1", Greedy(), **args)
+
+
+async def test_server_priority_idle_runs_the_server_thread_under_sched_idle_and_gives_the_same_data():
+    """server_priority="idle": the server's thread (only it) runs under SCHED_IDLE while it
+    serves, and the complete training loop gives the data of the default priority for the same
+    seed (the priority changes when the server runs, never what it computes)."""
+    import threading
+
+    def server_thread() -> threading.Thread:
+        (thread,) = [t for t in threading.enumerate() if t.name == "aiocollect inference server"]
+        return thread
+
+    with anyio.fail_after(60):
+        normal = await _collect("server", updates=True)
+        torch.manual_seed(0)
+        policy = Greedy()
+        idle = []
+        async with Collector("CartPole-v1", policy, frames_per_batch=2 * 4 * 16, total_frames=2 * 4 * 16 * 4, seed=3,
+                             num_workers=2, envs_per_worker=4, inference="server", prefetch=0,
+                             server_priority="idle") as c:
+            async for batch in c:
+                if not idle:
+                    tid = server_thread().native_id
+                    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+                    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER  # (not the loop's)
+                idle.append(batch.clone())
+                train(policy)
+                await c.update_weights(policy)
+    assert len(idle) == len(normal) == 4
+    for a, b in zip(idle, normal):
+        check_batch(a)
+        for key in ("observation", "action", ("next", "observation"), ("collector", "policy_version")):
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_server_priority_is_checked():
+    with pytest.raises(ConfigError, match="'normal' or 'idle'"):
+        Collector("CartPole-v1", Greedy(), frames_per_batch=16, inference="server", server_priority="low")
+    with pytest.raises(ConfigError, match="use inference='server'"):
+        Collector("CartPole-v1", Greedy(), frames_per_batch=16, server_priority="idle")
