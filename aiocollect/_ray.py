@@ -26,7 +26,7 @@ from ._errors import BrokenWorkerError, ConfigError, SpecError, WorkerTimeoutErr
 from ._heartbeat import POLICY, describe
 from ._layout import SlotLayout
 from ._rollout import RolloutConfig
-from ._workers import OnApplied, OnReady, WorkerHandle, _Slots, allocate_segment, worker_error
+from ._workers import LoopSeat, OnApplied, OnReady, _Slots, allocate_segment, worker_error
 
 log = logging.getLogger("aiocollect")
 
@@ -200,7 +200,7 @@ def actor_class(cls: type) -> Any:
     return remote
 
 
-class RayWorker(WorkerHandle):
+class RayWorker(LoopSeat):
     """A worker seat whose rollout runs in a Ray actor (replaced by a new actor after a failure)."""
 
     def __init__(self, index: int, options: dict, snapshots: _Snapshots) -> None:
@@ -213,13 +213,10 @@ class RayWorker(WorkerHandle):
         self.spec: dict | None = None
         self.actor_layout: SlotLayout | None = None  # one slot of this seat's rows, as the actor fills it
         self.watch = False
-        self.credits = 0
-        self.free: deque[int] = deque()
         self.inflight: deque[tuple[int, Any]] = deque()  # (slot, future of run_batch), in order
         self.controls: deque[Any] = deque()  # futures of set_weights calls
         self.stores: list[Any] = []
         self.sent: list[int] = []  # per store: the newest version sent to the current actor
-        self.wakeup = anyio.Event()
         self.caller: _Caller | None = None
         self.hung: BaseException | None = None
         self._beat: Any = None  # future of the watchdog's last question
@@ -263,20 +260,6 @@ class RayWorker(WorkerHandle):
         self._send_weights()
 
     # -- producer interface ---------------------------------------------------------------------
-    def _wake(self) -> None:
-        self.wakeup.set()
-
-    async def grant(self, credits: int) -> None:
-        self.credits_sent += credits
-        self.credits += credits
-        self._wake()
-
-    async def release(self, slot: int) -> None:
-        self.held.discard(slot)
-        if slot not in self.free:
-            self.free.append(slot)
-        self._wake()
-
     async def nudge(self) -> None:
         self._send_weights()
         self._wake()

@@ -341,7 +341,32 @@ def allocate_segment(layout: SlotLayout, name: str) -> tuple[int, Any]:
     return _shm.allocate(layout.nbytes + layout.workers * _heartbeat.NBYTES, name)
 
 
-class LocalWorker(WorkerHandle):
+class LoopSeat(WorkerHandle):
+    """A seat whose credits and free slots are kept in the collector's process, by a coroutine on
+    its loop (the local backend's rollout, a Ray actor's caller), rather than by a worker process."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.credits = 0
+        self.free: deque[int] = deque()
+        self.wakeup = anyio.Event()
+
+    def _wake(self) -> None:
+        self.wakeup.set()
+
+    async def grant(self, credits: int) -> None:
+        self.credits_sent += credits
+        self.credits += credits
+        self._wake()
+
+    async def release(self, slot: int) -> None:
+        self.held.discard(slot)
+        if slot not in self.free:
+            self.free.append(slot)
+        self._wake()
+
+
+class LocalWorker(LoopSeat):
     """The local backend: the rollout runs in the collector's process and event loop, yielding to
     the loop every few milliseconds."""
 
@@ -349,9 +374,6 @@ class LocalWorker(WorkerHandle):
         super().__init__(0)
         self.cfg = cfg
         self.policy = policy
-        self.credits = 0
-        self.free: deque[int] = deque()
-        self.wakeup = anyio.Event()
         self.recorder: Any = None
         self.stores: list[Any] = []
         self.rollout = self._build(cfg)
@@ -373,9 +395,6 @@ class LocalWorker(WorkerHandle):
         self.free.extend(range(layout.num_slots))
         return fd, self.buffer
 
-    def _wake(self) -> None:
-        self.wakeup.set()
-
     def profile(self, settings: dict, path: str) -> None:
         from ._profiling import Recorder
 
@@ -388,17 +407,6 @@ class LocalWorker(WorkerHandle):
         if self.recorder is not None:
             self.recorder.abort()
             self.recorder = None
-
-    async def grant(self, credits: int) -> None:
-        self.credits_sent += credits
-        self.credits += credits
-        self._wake()
-
-    async def release(self, slot: int) -> None:
-        self.held.discard(slot)
-        if slot not in self.free:
-            self.free.append(slot)
-        self._wake()
 
     async def nudge(self) -> None:
         self._wake()

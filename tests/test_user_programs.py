@@ -323,6 +323,57 @@ def test_plain_script_that_never_closes_its_collector_exits(mode):
     assert time.monotonic() - t0 < 55
 
 
+def test_ctrl_c_in_a_terminal_stops_the_script_not_its_workers_and_leaves_nothing():
+    """A training script (collector and evaluator) run as a terminal's foreground job and stopped
+    with Ctrl-C, which the terminal sends to the whole foreground process group: the script's
+    KeyboardInterrupt closes both cleanly (the workers, in a process group of their own, are
+    stopped by their collector, not killed by the signal mid-batch); the workers live in the
+    script's session (one scheduling group with it, so the evaluator's `nice` ranks it below the
+    training loop); nothing of the session is left afterwards."""
+    import os
+    import signal
+
+    from test_cli import in_session
+
+    with subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "ctrl_c.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,  # as a shell starts a job: its own session and group
+    ) as proc:  # fmt: skip
+        try:
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line.split())
+                if lines[-1] == ["collecting"]:
+                    break
+            if lines[-1:] != [["collecting"]]:
+                pytest.fail(f"the script did not start collecting: {lines}\n{proc.communicate(timeout=30)[1]}")
+            time.sleep(0.5)  # collecting and updating
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    me = next(line for line in lines if line[0] == "me")
+    sid, pgid = int(me[2]), int(me[3])
+    workers = [[int(x) for x in line[1:]] for line in lines if line[0] == "worker"]
+    assert len(workers) == 3, lines
+    assert all(w[1] == sid for w in workers), (workers, sid)  # the script's session
+    assert all(w[2] != pgid for w in workers), (workers, pgid)  # not its process group
+    assert [w[3] for w in workers] == [0, 0, 5], workers  # the evaluator's nice=5
+    assert proc.returncode == 130, (out, err)
+    assert out.splitlines()[-1] == "interrupted", out
+    batches, continuity = out.split()[-4], out.split()[-2]
+    assert int(batches) >= 1 and continuity == "True", out
+    assert "Error" not in err and "Traceback" not in err, err  # no BrokenWorkerError: nothing died mid-batch
+    deadline = time.monotonic() + 5
+    while in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not in_session(proc.pid)
+    assert not any(alive(w[0]) for w in workers)
+
+
 def test_collector_refuses_other_platforms_at_construction(monkeypatch):
     """aiocollect needs Linux: elsewhere, constructing a collector with worker processes (or an
     evaluator) raises ConfigError saying so, before anything starts."""
