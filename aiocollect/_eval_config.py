@@ -92,7 +92,9 @@ class EvaluatorConfig:
     nice: int = 0
     """Added to the worker process's niceness (0 to 19): a positive value lets the collector's
     workers and the training loop have the CPU first, at the price of slower evaluations on a
-    busy machine."""
+    busy machine. (With the process backend the worker also becomes a session of its own at that
+    niceness, since Linux's autogroups apply ``nice`` only within a session; a Ray actor gets the
+    plain niceness.)"""
     check_finite: bool = False
     """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or the policy's action
     (as :class:`~aiocollect.Collector`'s option of the same name)."""

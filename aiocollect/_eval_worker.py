@@ -44,7 +44,22 @@ class _Abort(Exception):
     """The parent gave up on the evaluation in progress."""
 
 
+def _own_scheduling_group(nice: int) -> None:
+    """Make this process a session of its own, at ``nice`` among sessions: Linux's autogroups
+    share the CPU between sessions first and apply ``nice`` only within one, so a niceness alone
+    would rank the worker below the collector's workers (its session) but not below the training
+    loop (the user's). Best effort: without autogroups the plain niceness does it."""
+    try:
+        os.setsid()
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
+
+
 class EvalWorker(Peer):
+    own_session = True  # a worker process (not a Ray actor, whose process is Ray's)
+
     def __init__(self, sock: socket.socket) -> None:
         super().__init__(sock)
         self.envs: list[Any] = []
@@ -63,6 +78,8 @@ class EvalWorker(Peer):
 
         self.cfg = cfg
         if cfg.nice:
+            if self.own_session:
+                _own_scheduling_group(cfg.nice)
             os.nice(cfg.nice)
         self.obs_space, self.act_space = add_envs(
             self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator", cfg.registry

@@ -65,10 +65,6 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.setblocking(True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the user's process's to handle
-    # a background process group of the user's terminal session: a worker's write to the terminal
-    # must not stop it (`stty tostop`), nor a read (stdin is /dev/null; an env may reopen a tty)
-    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    signal.signal(signal.SIGTTIN, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
     for name in _PRELOAD:
@@ -128,12 +124,11 @@ class Launcher:
                 [sys.executable, "-m", "aiocollect._launcher", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
-                # a process group of its own, so that the terminal's Ctrl-C and Ctrl-Z reach the
-                # user's process only (the collector stops its workers), in the user's session: the
-                # kernel's autogroup scheduling then weighs each worker against the user's threads
-                # (a new session would be a scheduling group of its own, where `nice` means nothing
-                # to the user's process, and the event loop's wake-ups wait longer for a core)
-                process_group=0,
+                # no terminal signals (the collector stops its workers), and a scheduling group of
+                # its own under Linux's autogroups: the user's threads, a mostly sleeping event loop
+                # among them, get a core at once when they wake (Pong, worker inference: loop lag
+                # p99 0.6 ms, against 3.5 ms with the workers in the user's session)
+                start_new_session=True,
                 env=env,
                 # `-m` puts the working directory first on sys.path: ours, so that an `aiocollect`
                 # directory where the user runs their script is not imported instead of this package

@@ -195,6 +195,8 @@ class EvalActor:
         actor = self
 
         class Worker(EvalWorker):
+            own_session = False
+
             def tick(self) -> None:  # (no socket: an abort is a flag set by the control thread)
                 if actor.aborted is not None and actor.aborted == actor.current:
                     raise _Abort

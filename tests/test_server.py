@@ -366,11 +366,14 @@ async def test_first_ready_passes_do_not_let_a_slow_worker_stall_a_fast_one(tmp_
     server = c.stats().server  # (the server's totals, kept after the run)
     assert server is not None and server["rows"] >= 240 and server["seconds"] > 0
     if env_batch_size == 4:
-        assert max(by_worker) <= 8, f"batches per worker {by_worker}: a pass did not wait for both"
+        # (Which worker delivers more batches is not the measure: 6-8 of 12 for the fast one on an
+        # idle machine, up to 10 with other tests on the two cores, where the workers spend longer
+        # between batches, when a pass serves the other's rows alone by design.)
         # Most passes hold both workers' 4 rows; some hold one worker's 2 by design (while the
-        # other is between batches, and at the end): 3.4-3.8 rows a pass on an idle machine, 2.95
-        # seen under CI's load; a server that never waited would be near 2.
-        assert server["rows"] / server["passes"] > 2.5, "passes did not wait for both workers' envs"
+        # other is between batches, and at the end): 3.4-3.8 rows a pass on an idle machine,
+        # 2.58-2.95 seen under load; a server that never waited: 2.02-2.19 (None and 2, below).
+        rows = server["rows"] / server["passes"]
+        assert rows > 2.4, f"{rows:.2f} rows a pass: passes did not wait for both workers' envs"
     else:
         assert max(by_worker) >= 9, f"batches per worker {by_worker}: the fast worker was held back"
 
@@ -423,8 +426,11 @@ async def test_worker_groups_give_the_data_of_worker_inference(delivery):
     for b in grouped:
         check_batch_rows(b)
     g, p = frames(grouped), frames(plain)
-    assert g.keys() == p.keys() == set(range(8))
-    for env in g:  # (async: workers deliver different numbers of batches; each env's frames agree)
+    if delivery == "sync":
+        assert g.keys() == p.keys() == set(range(8))
+    else:  # first come, first delivered: of 4 batches a worker slowed down by the machine may deliver none
+        assert len(g.keys() & p.keys()) >= 4, (g.keys(), p.keys())
+    for env in g.keys() & p.keys():  # (async: workers deliver different numbers of batches; each env's frames agree)
         n = min(len(g[env]), len(p[env]))
         assert n >= 12 and torch.equal(g[env][:n], p[env][:n]), f"env {env}"
     if delivery == "sync":

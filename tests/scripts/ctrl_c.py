@@ -1,6 +1,7 @@
 """A training script run from a terminal and stopped with Ctrl-C (the terminal sends SIGINT to its
-foreground process group: this script's). Prints its workers' pids with their session and process
-group, then "collecting"; on Ctrl-C, what it collected and "interrupted"."""
+foreground process group: this script's). Prints its workers' pids with their session, process
+group, niceness and autogroup niceness, then "collecting"; on Ctrl-C, what it collected and
+"interrupted"."""
 
 import asyncio
 import os
@@ -40,7 +41,13 @@ async def main() -> None:
             if batches == 1:
                 await ev.evaluate(policy)  # its worker is up
                 for pid in [*c.worker_pids, ev.worker_pid]:
-                    print("worker", pid, os.getsid(pid), os.getpgid(pid), os.getpriority(os.PRIO_PROCESS, pid), flush=True)
+                    try:
+                        with open(f"/proc/{pid}/autogroup") as f:  # "/autogroup-N nice K"
+                            group = f.read().split()[-1]
+                    except OSError:  # a kernel without autogroups
+                        group = "-"
+                    print("worker", pid, os.getsid(pid), os.getpgid(pid), os.getpriority(os.PRIO_PROCESS, pid), group,
+                          flush=True)
                 print("me", os.getpid(), os.getsid(0), os.getpgid(0), flush=True)
                 print("collecting", flush=True)
 
