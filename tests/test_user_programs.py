@@ -323,6 +323,7 @@ def test_plain_script_that_never_closes_its_collector_exits(mode):
     assert time.monotonic() - t0 < 55
 
 
+@pytest.mark.timeout(150)
 def test_ctrl_c_in_a_terminal_stops_the_script_not_its_workers_and_leaves_nothing():
     """A training script (collector and evaluator) run as a terminal's foreground job and stopped
     with Ctrl-C, which the terminal sends to the whole foreground process group: the script's
@@ -350,7 +351,14 @@ def test_ctrl_c_in_a_terminal_stops_the_script_not_its_workers_and_leaves_nothin
                 pytest.fail(f"the script did not start collecting: {lines}\n{proc.communicate(timeout=30)[1]}")
             time.sleep(0.5)  # collecting and updating
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-            out, err = proc.communicate(timeout=30)
+            try:
+                out, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, on its stderr
+                time.sleep(2)
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                pytest.fail(f"Ctrl-C did not end the script in 60 s; its output:\n{out}\nits stderr:\n{err}")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -4,7 +4,9 @@ group, niceness and autogroup niceness, then "collecting"; on Ctrl-C, what it co
 "interrupted"."""
 
 import asyncio
+import faulthandler
 import os
+import signal
 import sys
 
 import torch
@@ -23,6 +25,7 @@ class Greedy(torch.nn.Module):
 
 
 policy = Greedy()
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test asks for the stacks if it hangs)
 batches = 0
 continuity = True
 
