@@ -26,6 +26,10 @@ class Greedy(torch.nn.Module):
 
 policy = Greedy()
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test asks for the stacks if it hangs)
+# A job of a terminal starts with Ctrl-C's default action; one started in the background by a
+# non-interactive shell (as CI may run the tests) inherits SIGINT ignored, and asyncio.run() then
+# leaves it so. Start as a terminal's job would.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 batches = 0
 continuity = True
 
