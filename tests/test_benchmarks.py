@@ -61,3 +61,14 @@ def test_server_load_benchmark_runs_both_modes_to_its_table(tmp_path):
         assert results[mode]["latency_ms"]["p99"] >= results[mode]["latency_ms"]["p50"] > 0
         assert results[mode]["loop_lag_ms"]["p99"] is not None and results[mode]["runs"][0]["requests"] == 100
     assert results["collecting"]["collector_fps"] > 0 and results["idle"]["collector_fps"] is None
+
+
+@pytest.mark.timeout(120)
+def test_loop_lag_benchmark_runs_both_parts_to_their_tables():
+    """benchmarks/loop_lag.py on CartPole at a tiny scale: the in-process table (three setups) and
+    the other-process table (four rows), and nothing left behind (the script reaps and warns)."""
+    out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", timeout=110)
+    assert "The loop that collects (cartpole, 2 workers x 4 envs)" in out
+    assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in ("worker", "server", "server, idle")), out
+    assert len(re.findall(r"^(worker|server, idle)\s+(this session|its own session)\s+[\d,]+", out, re.M)) == 4, out
+    assert "WARNING" not in out, out

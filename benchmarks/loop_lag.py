@@ -1,0 +1,212 @@
+"""Where the event loop's lag comes from while collecting (``docs/inference.md``).
+
+A probe task sleeps 1 ms again and again and records how late it wakes up. For each late wake-up
+(more than 1 ms late) it also reads how long the loop's thread waited, runnable, for a core
+meanwhile (``run_delay`` in ``/proc/self/task/<tid>/schedstat``): a late wake-up whose lateness
+is that wait was the kernel's scheduler; one without it was the loop's own work or the GIL.
+
+1. **In the collector's process** (the loop that collects): worker inference, the server thread
+   at normal priority, the server thread under ``server_priority="idle"``.
+2. **In another process** (``--other-process``): the whole collector in a child process, in this
+   process's session or in a session of its own, and only a bare event loop with the probe here:
+   what a server process (instead of a thread) would leave to the user's loop.
+
+Pong (``ALE/Pong-v5``, 84x84 grey, 4 frames, a Nature-CNN; needs ``pip install -e .[atari]``) or
+``--env cartpole`` (CartPole-v1, the 4-64-2 MLP). No figure here is a test: run it on a quiet
+machine, and compare setups of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from _util import ArgmaxMLP, log, machine, machine_line, reap, sigterm_as_interrupt
+
+SETUPS = {"worker": ("worker", "normal"), "server": ("server", "normal"), "server, idle": ("server", "idle")}
+
+
+def workload(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, int]:
+    """The env, the policy and the steps per env per batch."""
+    if args.env == "pong":
+        from inference import NatureCNN, make_pong
+
+        return make_pong, NatureCNN(), 16
+    return "CartPole-v1", ArgmaxMLP(), 32
+
+
+class Probe:
+    """Sleeps 1 ms in a loop; for each wake-up, how late it was and the loop thread's run-queue
+    wait meanwhile (both in seconds)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.waits: list[float] = []
+        self.running = True
+        self._fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+
+    def _run_delay(self) -> float:
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
+    async def run(self) -> None:
+        import anyio
+
+        try:
+            while self.running:
+                w0, t0 = self._run_delay(), time.perf_counter()
+                await anyio.sleep(0.001)
+                self.lags.append(time.perf_counter() - t0 - 0.001)
+                self.waits.append(self._run_delay() - w0)
+        finally:
+            os.close(self._fd)
+
+    def summary(self) -> dict[str, float]:
+        lags, waits = np.asarray(self.lags) * 1e3, np.asarray(self.waits) * 1e3
+        late = lags > 1.0
+        return {"ticks": float(lags.size), "p50": float(np.percentile(lags, 50)), "p99": float(np.percentile(lags, 99)),
+                "max": float(lags.max()), "late_pct": float(late.mean() * 100),
+                "late_lag": float(lags[late].mean()) if late.any() else 0.0,
+                "late_wait": float(waits[late].mean()) if late.any() else 0.0}
+
+
+async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: Probe | None,
+                  ready: Any = None) -> float:
+    """Collect for ``seconds`` after a second of warm-up (the probe running meanwhile); frames/s."""
+    import anyio
+
+    from aiocollect import Collector
+
+    env, policy, steps = workload(args)
+    inference, priority = SETUPS[setup]
+    extra = {"server_priority": priority} if inference == "server" else {}
+    async with Collector(env, policy, frames_per_batch=args.workers * args.envs * steps, num_workers=args.workers,
+                         envs_per_worker=args.envs, inference=inference, seed=0, **extra) as c:
+        it = aiter(c)
+        t_end = time.perf_counter() + 1.0
+        while time.perf_counter() < t_end:
+            await anext(it)
+        if ready is not None:
+            ready()
+        frames = 0
+        async with anyio.create_task_group() as tg:
+            if probe is not None:
+                tg.start_soon(probe.run)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                frames += (await anext(it)).numel()
+            elapsed = time.perf_counter() - t0
+            if probe is not None:
+                probe.running = False
+    return frames / elapsed
+
+
+def run_loop(coro_fn: Any, *args: Any) -> Any:
+    import anyio
+
+    return anyio.run(coro_fn, *args, backend="asyncio", backend_options={"use_uvloop": True})
+
+
+def in_process(args: argparse.Namespace) -> None:
+    rows = []
+    for setup in SETUPS:
+        log(f"in the collector's process: {setup} ({args.seconds:g} s) ...")
+        probe = Probe()
+        try:
+            fps = run_loop(collect, args, setup, args.seconds, probe)
+        finally:
+            reap(setup)
+        rows.append((setup, fps, probe.summary()))
+    log(f"\nThe loop that collects ({args.env}, {args.workers} workers x {args.envs} envs)")
+    log(f"{'setup':<14} {'frames/s':>9}  {'loop lag p50 / p99 / max (ms)':>29}  {'late (>1 ms)':>12}  "
+        f"{'their lag':>9}  {'of it waiting for a core':>24}")
+    for setup, fps, s in rows:
+        log(f"{setup:<14} {fps:>9,.0f}  {s['p50']:>10.2f} / {s['p99']:>5.2f} / {s['max']:>6.2f}  {s['late_pct']:>11.1f}%  "
+            f"{s['late_lag']:>6.2f} ms  {s['late_wait']:>21.2f} ms")
+
+
+def other_process(args: argparse.Namespace) -> None:
+    rows = []
+    for setup in ("worker", "server, idle"):
+        for own_session in (False, True):
+            where = "its own session" if own_session else "this session"
+            log(f"collector in another process ({where}): {setup} ...")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", setup, "--env", args.env,
+                   "--workers", str(args.workers), "--envs", str(args.envs), "--seconds", str(args.seconds + 2)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=own_session)
+            try:
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"the collector's process did not start ({setup})")
+                probe = Probe()
+
+                async def probe_for(seconds: float, probe: Probe = probe) -> None:
+                    import anyio
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(probe.run)
+                        await anyio.sleep(seconds)
+                        probe.running = False
+
+                run_loop(probe_for, args.seconds)
+                fps = float(proc.communicate(timeout=120)[0].split()[-1])
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                reap(f"{setup} in another process")
+            rows.append((setup, where, fps, probe.summary()))
+    log(f"\nA bare event loop here, the collector in another process ({args.env}, {args.workers} workers x {args.envs} envs)")
+    log(f"{'setup':<14} {'that process in':<16} {'frames/s':>9}  {'loop lag p50 / p99 / max (ms)':>29}  {'late (>1 ms)':>12}")
+    for setup, where, fps, s in rows:
+        log(f"{setup:<14} {where:<16} {fps:>9,.0f}  {s['p50']:>10.2f} / {s['p99']:>5.2f} / {s['max']:>6.2f}  "
+            f"{s['late_pct']:>11.1f}%")
+
+
+def child(args: argparse.Namespace) -> int:
+    fps = run_loop(collect, args, args.child, args.seconds, None, lambda: print("ready", flush=True))
+    print(f"{fps:.1f}", flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.child:
+        return child(args)
+    if args.env == "pong":
+        from inference import pong_problem
+
+        problem = pong_problem()
+        if problem is not None:
+            log(f"Pong: {problem}; use --env cartpole")
+            return 2
+    log(machine_line(machine()))
+    in_process(args)
+    if args.other_process:
+        other_process(args)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", choices=("pong", "cartpole"), default="pong", help="default pong")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--envs", type=int, default=4, help="envs per worker (default 4)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup (default 5)")
+    p.add_argument("--other-process", action="store_true",
+                   help="also: the collector in another process, a bare event loop here")
+    p.add_argument("--child", choices=tuple(SETUPS), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    with sigterm_as_interrupt():
+        sys.exit(main(parse_args()))
