@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _util import ArgmaxMLP, log, machine, machine_line, reap, sigterm_as_interrupt
+from _util import ArgmaxMLP, log, machine, machine_line, percentiles_ms, reap, sigterm_as_interrupt
 
 SETUPS = {"worker": ("worker", "normal"), "server": ("server", "normal"), "server, idle": ("server", "idle")}
 
@@ -69,10 +69,11 @@ class Probe:
             os.close(self._fd)
 
     def summary(self) -> dict[str, float]:
+        """p50, p99 and max lag (ms); the share of wake-ups more than 1 ms late, their mean lag and
+        their mean wait for a core (ms)."""
         lags, waits = np.asarray(self.lags) * 1e3, np.asarray(self.waits) * 1e3
         late = lags > 1.0
-        return {"ticks": float(lags.size), "p50": float(np.percentile(lags, 50)), "p99": float(np.percentile(lags, 99)),
-                "max": float(lags.max()), "late_pct": float(late.mean() * 100),
+        return {**percentiles_ms(self.lags), "late_pct": float(late.mean() * 100),
                 "late_lag": float(lags[late].mean()) if late.any() else 0.0,
                 "late_wait": float(waits[late].mean()) if late.any() else 0.0}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -328,12 +330,9 @@ def test_ctrl_c_in_a_terminal_stops_the_script_not_its_workers_and_leaves_nothin
     """A training script (collector and evaluator) run as a terminal's foreground job and stopped
     with Ctrl-C, which the terminal sends to the whole foreground process group: the script's
     KeyboardInterrupt closes both cleanly (the workers, in a session of their own, are stopped by
-    their collector, not killed by the signal mid-batch); nothing of the session is left
-    afterwards. The evaluator's worker with `nice=5` is a session of its own at niceness 5 (Linux's
+    their collector, not killed by the signal mid-batch); neither the script's session nor any
+    worker is left afterwards. The evaluator's worker with `nice=5` is a session of its own at niceness 5 (Linux's
     autogroups weigh sessions, and apply `nice` only within one): below the training loop too."""
-    import os
-    import signal
-
     from test_cli import in_session
 
     with subprocess.Popen(
