@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Literal, Mapping, Sequence
 
 import anyio
 
@@ -148,6 +148,7 @@ class Collector(Service, BlockingMixin):
         cudagraph_policy: bool | dict = False,
         backend: str | None = None,
         ray_actor_options: dict | Sequence[dict] | None = None,
+        worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
     ) -> None:
         self.config = CollectorConfig(
             create_env_fn=create_env_fn,
@@ -192,6 +193,7 @@ class Collector(Service, BlockingMixin):
             cudagraph_policy=cudagraph_policy,
             backend=backend,  # type: ignore[arg-type]
             ray_actor_options=ray_actor_options,
+            worker_cpus=worker_cpus,
         )
         self._run = run = Run(self.config)
         self._portal = portal = Portal(run)

@@ -95,6 +95,10 @@ class EvaluatorConfig:
     busy machine. (With the process backend the worker also becomes a session of its own at that
     niceness, since Linux's autogroups apply ``nice`` only within a session; a Ray actor gets the
     plain niceness.)"""
+    cpus: Any = None
+    """The CPUs the worker process may run on (Linux's CPU affinity, as the collector's
+    ``worker_cpus`` for one worker): ``None`` leaves it to the kernel, a set of CPU numbers (e.g.
+    ``{3}``) places it; each must be one this process may run on. ``backend="process"`` only."""
     check_finite: bool = False
     """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or the policy's action
     (as :class:`~aiocollect.Collector`'s option of the same name)."""
@@ -171,6 +175,15 @@ class EvaluatorConfig:
             _positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
         if self.step_timeout is not None:
             _positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+        if self.cpus is not None:
+            if self.backend == "ray":
+                raise ConfigError(
+                    "cpus places the evaluator's worker process on this machine; with backend='ray' Ray places the "
+                    "actor: use ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
+                )
+            from ._affinity import normalize_cpu_set
+
+            object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
         if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
             raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")
         if self.backend == "ray":
@@ -278,6 +291,7 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
             max_steps=c.max_steps,
             seed=c.seed,
             nice=c.nice,
+            cpus=c.cpus,
             registry=registry,
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,

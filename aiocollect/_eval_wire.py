@@ -47,6 +47,7 @@ class EvalWorkerConfig:
     max_steps: int | None
     seed: int | None
     nice: int = 0
+    cpus: tuple[int, ...] | None = None  # the CPUs the worker runs on (None: the kernel's choice)
     registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
     check_finite: bool = False
     action_bounds: ActionBounds = "pass"

@@ -33,6 +33,7 @@ import numpy as np
 
 from ._checks import ActionGuard, check_reward, check_value, short
 from . import _heartbeat
+from ._affinity import apply_cpus
 from ._envs import add_envs, close_envs
 from ._errors import ConfigTypeError, SpecError
 from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
@@ -81,6 +82,8 @@ class EvalWorker(Peer):
             if self.own_session:
                 _own_scheduling_group(cfg.nice)
             os.nice(cfg.nice)
+        if self.own_session:  # (a Ray actor's CPUs are Ray's to choose)
+            apply_cpus(cfg.cpus, "the evaluator's worker")
         self.obs_space, self.act_space = add_envs(
             self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator", cfg.registry
         )

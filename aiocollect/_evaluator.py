@@ -9,7 +9,7 @@ their messages :mod:`aiocollect._eval_wire` and the worker itself :mod:`aiocolle
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
 
@@ -121,6 +121,7 @@ class Evaluator(Service):
         seed: int | None = None,
         shutdown_timeout: float = 5.0,
         nice: int = 0,
+        cpus: Iterable[int] | None = None,
         check_finite: bool = False,
         action_bounds: str = "pass",
         on_worker_failure: Literal["raise", "restart"] = "raise",
@@ -146,6 +147,7 @@ class Evaluator(Service):
             seed=seed,
             shutdown_timeout=shutdown_timeout,
             nice=nice,
+            cpus=cpus,
             check_finite=check_finite,
             action_bounds=action_bounds,  # type: ignore[arg-type]
             on_worker_failure=on_worker_failure,

@@ -48,6 +48,7 @@ class RolloutConfig:
     action_bounds: ActionBounds = "pass"  # Box actions outside their bounds: "pass", "clip" or "error"
     worker_groups: int = 1  # server inference: groups of envs that alternate (see _groups)
     ahead: bool = False  # server inference: ask for the next step's actions as soon as its obs are final
+    cpus: tuple[int, ...] | None = None  # worker_cpus: the CPUs this worker runs on (None: the kernel's choice)
 
 
 def derived_seed(seed: int, env: int, restart: int) -> int:

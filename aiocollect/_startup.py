@@ -213,6 +213,7 @@ def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutC
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,
             worker_groups=c.worker_groups,
+            cpus=c.cpus_for(i),
         )
         for i in range(c.workers)
     ]

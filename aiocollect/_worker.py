@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 from . import _heartbeat
+from ._affinity import apply_cpus
 from ._peer import _TICK, Peer, _Stop, pack_exception, serve_peer  # noqa: F401 - re-exported
 from ._wire import (
     Applied, Config, Credit, Hello, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
@@ -106,6 +107,7 @@ class Worker(Peer):
         self.send(Hello(os.getpid()))
         config = self.expect(Config)
         cfg = cloudpickle.loads(config.payload)
+        apply_cpus(cfg.cpus, f"worker {cfg.worker}")  # before the envs: what they start inherits it
         self.rollout = rollout = open_rollout(cfg)  # a Rollout, or a VectorRollout for vector envs
         self.send(Spec(rollout.spec()))
         slots, fds = self.recv()

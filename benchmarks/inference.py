@@ -11,7 +11,9 @@ once for ``--seconds`` after ``--warmup``, so a drift of the shared machine touc
 
 "server, 2 groups" is the server with ``worker_groups=2`` (each worker's envs in two groups that
 alternate: one steps while the server computes the other's actions); "server, idle" and "idle, 2
-groups" the same with ``server_priority="idle"`` (the server's thread under Linux's ``SCHED_IDLE``).
+groups" the same with ``server_priority="idle"`` (the server's thread under Linux's ``SCHED_IDLE``);
+"idle, pinned" and "pinned, 2 groups" those with the workers kept off this process's first CPU
+(``worker_cpus=sorted(os.sched_getaffinity(0))[1:]``; only where this process may use two CPUs or more).
 
 With ``--serve-in-loop`` the server is also measured as a task on the event loop instead of its
 own thread (the choice ``docs/inference.md`` explains).
@@ -26,15 +28,15 @@ each worker (one torch thread each); server inference runs the policy object in 
 With ``--device cuda`` (a machine with a CUDA GPU): the Pong case with ``--gpu-envs`` envs in all
 (default 64 and 256, over ``--workers`` workers), worker inference on the CPU against the server
 on the GPU (its own stream, pinned staging): frames per second, the loop's lag, the time per
-forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can read it (pynvml).
-
-Not here yet: ``env_batch_size`` and ``cudagraph_policy`` setups.
+forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can read it (pynvml);
+the server on the GPU also with ``worker_groups=2`` and with ``cudagraph_policy=True``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -80,16 +82,29 @@ def pong_problem() -> str | None:
     return None
 
 
-SETUPS = {  # name: (inference, where the server serves, policy_device, worker_groups, server_priority)
-    "worker": ("worker", None, None, 1, "normal"),
-    "server": ("server", "thread", None, 1, "normal"),
-    "server, 2 groups": ("server", "thread", None, 2, "normal"),
-    "server, idle": ("server", "thread", None, 1, "idle"),
-    "idle, 2 groups": ("server", "thread", None, 2, "idle"),
-    "server on the loop": ("server", "loop", None, 1, "normal"),
-    "server on cuda": ("server", "thread", "cuda", 1, "normal"),
-    "cuda, 2 groups": ("server", "thread", "cuda", 2, "normal"),
+SETUPS = {  # name: (inference, where the server serves, policy_device, worker_groups, server_priority, options)
+    "worker": ("worker", None, None, 1, "normal", {}),
+    "server": ("server", "thread", None, 1, "normal", {}),
+    "server, 2 groups": ("server", "thread", None, 2, "normal", {}),
+    "server, idle": ("server", "thread", None, 1, "idle", {}),
+    "idle, 2 groups": ("server", "thread", None, 2, "idle", {}),
+    # the workers kept off this process's first CPU (worker_cpus), which the loop and the server share
+    "idle, pinned": ("server", "thread", None, 1, "idle", {"worker_cpus": "rest"}),
+    "pinned, 2 groups": ("server", "thread", None, 2, "idle", {"worker_cpus": "rest"}),
+    "server on the loop": ("server", "loop", None, 1, "normal", {}),
+    "server on cuda": ("server", "thread", "cuda", 1, "normal", {}),
+    "cuda, 2 groups": ("server", "thread", "cuda", 2, "normal", {}),
+    "cuda, cudagraph": ("server", "thread", "cuda", 1, "normal", {"cudagraph_policy": True}),
 }
+PINNED = tuple(name for name, setup in SETUPS.items() if setup[5].get("worker_cpus"))
+
+
+def _options(setup: str) -> dict[str, Any]:
+    """The setup's extra Collector options (``worker_cpus="rest"``: every CPU but the first)."""
+    options = dict(SETUPS[setup][5])
+    if options.get("worker_cpus") == "rest":
+        options["worker_cpus"] = sorted(os.sched_getaffinity(0))[1:]
+    return options
 
 
 async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Namespace, envs: int,
@@ -99,7 +114,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     import aiocollect._server
     from aiocollect import Collector
 
-    inference, serve_in, device, groups, priority = SETUPS[setup]
+    inference, serve_in, device, groups, priority, _ = SETUPS[setup]
     if serve_in is not None:
         aiocollect._server.SERVE_IN = serve_in
     if device is None:
@@ -109,7 +124,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     lags: list[float] = []
     async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
                          envs_per_worker=envs, inference=inference, seed=0, policy_device=device,
-                         worker_groups=groups, server_priority=priority) as c:
+                         worker_groups=groups, server_priority=priority, **_options(setup)) as c:
         it = aiter(c)
         await anext(it)  # started, and warm
         t_end = time.perf_counter() + args.warmup
@@ -159,6 +174,7 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
     import anyio
 
     setups = setups or (["worker", "server", "server, 2 groups", "server, idle", "idle, 2 groups"]
+                        + (list(PINNED) if len(os.sched_getaffinity(0)) > 1 else [])  # (one CPU: nothing to keep)
                         + (["server on the loop"] if args.serve_in_loop else []))
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
     for r in range(args.rounds):
@@ -249,7 +265,7 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
         envs = max(total // args.workers, 1)
         torch.manual_seed(0)
         tables[total] = run_case(f"pong {total} envs", make_pong, NatureCNN(), args, envs, args.pong_steps,
-                                 setups=["worker", "server on cuda", "cuda, 2 groups"])
+                                 setups=["worker", "server on cuda", "cuda, 2 groups", "cuda, cudagraph"])
     for total, table in tables.items():
         print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {max(total // args.workers, 1)} "
                     f"envs: worker inference (CPU) against the server on CUDA", table)

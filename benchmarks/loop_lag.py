@@ -6,7 +6,8 @@ meanwhile (``run_delay`` in ``/proc/self/task/<tid>/schedstat``): a late wake-up
 is that wait was the kernel's scheduler; one without it was the loop's own work or the GIL.
 
 1. **In the collector's process** (the loop that collects): worker inference, the server thread
-   at normal priority, the server thread under ``server_priority="idle"``.
+   at normal priority, the server thread under ``server_priority="idle"``, and that with the
+   workers kept off this process's first CPU (``worker_cpus``; where it may use two or more).
 2. **In another process** (``--other-process``): the whole collector in a child process, in this
    process's session or in a session of its own, and only a bare event loop with the probe here:
    what a server process (instead of a thread) would leave to the user's loop.
@@ -31,7 +32,9 @@ import torch
 
 from _util import ArgmaxMLP, log, machine, machine_line, percentiles_ms, reap, sigterm_as_interrupt
 
-SETUPS = {"worker": ("worker", "normal"), "server": ("server", "normal"), "server, idle": ("server", "idle")}
+#: name: (inference, server_priority, the workers kept off this process's first CPU (worker_cpus))
+SETUPS = {"worker": ("worker", "normal", False), "server": ("server", "normal", False),
+          "server, idle": ("server", "idle", False), "idle, pinned": ("server", "idle", True)}
 
 
 def workload(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, int]:
@@ -86,8 +89,10 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
     from aiocollect import Collector
 
     env, policy, steps = workload(args)
-    inference, priority = SETUPS[setup]
-    extra = {"server_priority": priority} if inference == "server" else {}
+    inference, priority, pinned = SETUPS[setup]
+    extra: dict[str, Any] = {"server_priority": priority} if inference == "server" else {}
+    if pinned:
+        extra["worker_cpus"] = sorted(os.sched_getaffinity(0))[1:]
     async with Collector(env, policy, frames_per_batch=args.workers * args.envs * steps, num_workers=args.workers,
                          envs_per_worker=args.envs, inference=inference, seed=0, **extra) as c:
         it = aiter(c)
@@ -118,6 +123,8 @@ def run_loop(coro_fn: Any, *args: Any) -> Any:
 def in_process(args: argparse.Namespace) -> None:
     rows = []
     for setup in SETUPS:
+        if SETUPS[setup][2] and len(os.sched_getaffinity(0)) < 2:
+            continue  # (one CPU: nothing to keep for the loop)
         log(f"in the collector's process: {setup} ({args.seconds:g} s) ...")
         probe = Probe()
         try:

@@ -65,10 +65,23 @@ def test_server_load_benchmark_runs_both_modes_to_its_table(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_loop_lag_benchmark_runs_both_parts_to_their_tables():
-    """benchmarks/loop_lag.py on CartPole at a tiny scale: the in-process table (three setups) and
+    """benchmarks/loop_lag.py on CartPole at a tiny scale: the in-process table (four setups) and
     the other-process table (four rows), and nothing left behind (the script reaps and warns)."""
     out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", timeout=110)
     assert "The loop that collects (cartpole, 2 workers x 4 envs)" in out
-    assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in ("worker", "server", "server, idle")), out
+    setups = ("worker", "server", "server, idle") + (("idle, pinned",) if len(os.sched_getaffinity(0)) > 1 else ())
+    assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in setups), out
     assert len(re.findall(r"^(worker|server, idle)\s+(this session|its own session)\s+[\d,]+", out, re.M)) == 4, out
     assert "WARNING" not in out, out
+
+
+@pytest.mark.timeout(150)
+def test_inference_benchmark_runs_every_cpu_setup_to_its_table():
+    """benchmarks/inference.py on CartPole at a tiny scale (one round): every CPU setup (the pinned
+    ones where this process may use two CPUs) measured and in the table, nothing left behind."""
+    out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2", timeout=140)
+    setups = ["worker", "server", "server, 2 groups", "server, idle", "idle, 2 groups"]
+    setups += ["idle, pinned", "pinned, 2 groups"] if len(os.sched_getaffinity(0)) > 1 else []
+    table = out[out.index("CartPole-v1, 4-64-2 MLP"):]
+    assert [line.split("  ")[0].strip() for line in table.splitlines()[2:] if line.strip()][:len(setups)] == setups, out
+    assert "Pong: skipped (--skip-pong)" in out and "WARNING" not in out, out
