@@ -277,8 +277,11 @@ class CollectorConfig:
     forward pass never delays the event loop's wakeups (on a 2-core machine with a Nature-CNN on
     Pong, the loop's p99 lag went from 3.2 to 0.6 ms with one worker and from 3.9 to 2.7 ms with two,
     at equal or better frames per second; see ``docs/inference.md``). Its cost: on a machine busy
-    with other work (your training in another thread, other processes), the server only gets
-    the CPU left over, and collection slows down with it."""
+    with other work (your training on the CPU in another thread, other processes), the server only
+    gets the CPU left over, and collection all but stops (Pong beside a busy trainer thread: 22
+    frames/s against 1,217 at normal priority); a warning on the ``aiocollect`` logger says so
+    when the server's thread waits for a CPU more than 60% of the time. For a spare CPU or a GPU
+    trainer, not for training on the same CPUs."""
     compile_policy: bool | dict = False
     """``inference="server"``: run the policy through ``torch.compile`` (``True``, or a dict of
     its keyword arguments); compiled during start-up, for every number of rows a forward pass can

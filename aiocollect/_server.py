@@ -21,6 +21,7 @@ elsewhere (an optimizer's ``step()``) is not guarded: a forward pass may run dur
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import threading
@@ -34,9 +35,65 @@ from ._errors import ConfigError
 from ._layout import Leaf
 from ._remote import ACTIONS_READY, REQUEST, SERVER_STOPPED, ServerLayout
 
+log = logging.getLogger("aiocollect")
+
 _FLAGS = os.EFD_CLOEXEC | os.EFD_NONBLOCK
 
 SERVE_IN = "thread"  # or "loop": benchmarks/inference.py --serve-in measures both (docs/inference.md)
+
+
+class StarvationWatch:
+    """``server_priority="idle"``: the server's thread under ``SCHED_IDLE`` gets only the CPU time
+    no other thread wants, and a busy machine (training on the CPU beside the collector) can leave
+    it almost none: collection then nearly stops (Pong, 2 workers on 2 cores, a trainer thread
+    beside: 22 frames/s against 1,217 at normal priority; ``docs/inference.md``). Checked after
+    each wake-up of the thread: when, over a window of :attr:`WINDOW` seconds, it spent more than
+    :attr:`SHARE` of the time runnable but waiting for a CPU (its ``run_delay`` in
+    ``/proc/thread-self/schedstat``; 25-40% while serving 2 or 4 workers on 2 cores, 70-97% beside
+    a busy trainer thread), say so once on the ``aiocollect`` logger, with the way out."""
+
+    WINDOW = 3.0
+    SHARE = 0.6
+
+    def __init__(self, server: "InferenceServer") -> None:
+        self.server = server
+        self.warned = False
+        try:
+            self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:  # pragma: no cover - no schedstat (a kernel without it): nothing to watch
+            self.fd = None
+        self.t0, self.wait0, self.passes0 = time.monotonic(), self._waited(), server.forward_passes
+
+    def _waited(self) -> float:
+        if self.fd is None:
+            return 0.0
+        return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.fd is None or self.warned or now - self.t0 < self.WINDOW:
+            return
+        waited, passes = self._waited(), self.server.forward_passes
+        share = (waited - self.wait0) / (now - self.t0)
+        if share > self.SHARE:
+            self.warned = True
+            os.close(self.fd)
+            self.fd = None
+            log.warning(
+                "aiocollect: the inference server's thread (server_priority='idle') waited for a CPU %.0f%% of the "
+                "last %.0f s (%.1f forward passes per second): under SCHED_IDLE it only gets CPU time that no other "
+                "thread wants, and something keeps this machine's cores busy (training on the CPU in this process, "
+                "other programs), so collection is held back with it. Use server_priority='normal' while the CPUs "
+                "are busy (see docs/inference.md)",
+                share * 100, now - self.t0, (passes - self.passes0) / (now - self.t0),
+            )
+            return
+        self.t0, self.wait0, self.passes0 = now, waited, passes
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class InferenceServer:
@@ -221,15 +278,21 @@ class InferenceServer:
     def _serve(self) -> None:
         import torch
 
+        watch = None
         if self.priority == "idle":  # (this thread only: Linux schedules threads one by one)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            watch = StarvationWatch(self)
         try:
             with torch.no_grad():
                 while self._serve_ready(timeout=-1):
-                    pass
+                    if watch is not None:
+                        watch.check()
         except BaseException as exc:  # noqa: BLE001 - the policy failed: the run ends with it
             self.error = exc
             os.eventfd_write(self.failed_fd, 1)  # the run raises it and stops the workers (they wait meanwhile)
+        finally:
+            if watch is not None:
+                watch.close()
 
     def _serve_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds (-1: until something happens) for requests; answer

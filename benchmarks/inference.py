@@ -15,6 +15,11 @@ groups" the same with ``server_priority="idle"`` (the server's thread under Linu
 "idle, pinned" and "pinned, 2 groups" those with the workers kept off this process's first CPU
 (``worker_cpus=sorted(os.sched_getaffinity(0))[1:]``; only where this process may use two CPUs or more).
 
+``--busy-trainer`` measures each setup beside a thread of this process that wants a core all the
+time (matrix products without a pause: a trainer's stand-in), and reports its products per
+second too (and alone, first): what ``server_priority="idle"`` costs when the CPU is not spare.
+``--setups`` picks setups by name (``;``-separated).
+
 With ``--serve-in-loop`` the server is also measured as a task on the event loop instead of its
 own thread (the choice ``docs/inference.md`` explains).
 
@@ -35,10 +40,12 @@ the server on the GPU also with ``worker_groups=2`` and with ``cudagraph_policy=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -107,6 +114,31 @@ def _options(setup: str) -> dict[str, Any]:
     return options
 
 
+class BusyTrainer:
+    """``--busy-trainer``: a thread of this process that multiplies 256x256 matrices without a
+    pause (one torch thread; torch releases the GIL meanwhile), a training step's stand-in that
+    wants a core all the time. ``steps`` counts its products."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy trainer", daemon=True)
+
+    def _run(self) -> None:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        while not self._stop.is_set():
+            torch.mm(a, b)
+            self.steps += 1
+
+    def __enter__(self) -> "BusyTrainer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Namespace, envs: int,
                    steps: int) -> dict[str, Any]:
     import anyio
@@ -140,17 +172,21 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
 
         first = c.stats().server  # the server's totals (None with worker inference)
         gpu: list[float] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < args.seconds:
-                batch = await anext(it)
-                frames += batch.numel()
-                if device is not None:
-                    gpu.append(_gpu_utilisation())
-            elapsed = time.perf_counter() - t0
-            measuring = False
+        with contextlib.ExitStack() as stack:
+            trainer = stack.enter_context(BusyTrainer()) if args.busy_trainer else None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < args.seconds:
+                    batch = await anext(it)
+                    frames += batch.numel()
+                    if device is not None:
+                        gpu.append(_gpu_utilisation())
+                elapsed = time.perf_counter() - t0
+                measuring = False
         out: dict[str, Any] = {"fps": frames / elapsed, "lag_ms": percentiles_ms(lags, (50, 99))}
+        if trainer is not None:
+            out["trainer_per_s"] = trainer.steps / elapsed
         last = c.stats().server
         if first is not None and last is not None:
             passes = last["passes"] - first["passes"]
@@ -173,6 +209,8 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
              setups: list[str] | None = None) -> dict:
     import anyio
 
+    if setups is None and args.setups:
+        setups = args.setups if "worker" in args.setups else ["worker", *args.setups]  # (the ratios' base)
     setups = setups or (["worker", "server", "server, 2 groups", "server, idle", "idle, 2 groups"]
                         + (list(PINNED) if len(os.sched_getaffinity(0)) > 1 else [])  # (one CPU: nothing to keep)
                         + (["server on the loop"] if args.serve_in_loop else []))
@@ -197,6 +235,8 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
             row["passes_per_s"] = statistics.median(r["passes_per_s"] for r in runs)
             row["rows_per_pass"] = statistics.median(r["rows_per_pass"] for r in runs)
             row["ms_per_pass"] = statistics.median(r["ms_per_pass"] for r in runs)
+        if all("trainer_per_s" in r for r in runs):
+            row["trainer_per_s"] = statistics.median(r["trainer_per_s"] for r in runs)
         if all("gpu_util" in r for r in runs):
             row["gpu_util"] = statistics.median(r["gpu_util"] for r in runs)
         table[inference] = row
@@ -205,8 +245,9 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
 
 def print_table(title: str, table: dict[str, Any]) -> None:
     log(f"\n{title}")
+    trainer = any("trainer_per_s" in row for row in table.values())
     log(f"{'inference':<18} {'frames/s':>10} {'ratio':>6} {'loop lag p50 / p99 / max (ms)':>31} {'passes/s':>9} "
-        f"{'rows/pass':>9} {'ms/pass':>7} {'GPU %':>5}  runs (frames/s)")
+        f"{'rows/pass':>9} {'ms/pass':>7} {'GPU %':>5}" + (f" {'trainer/s':>9}" if trainer else "") + "  runs (frames/s)")
     for setup, row in table.items():
         lag = row["lag_ms"]
         passes = f"{row['passes_per_s']:,.0f}" if "passes_per_s" in row else "-"
@@ -214,8 +255,9 @@ def print_table(title: str, table: dict[str, Any]) -> None:
         ms = f"{row['ms_per_pass']:.2f}" if "ms_per_pass" in row else "-"
         util = f"{row['gpu_util']:.0f}" if "gpu_util" in row else "-"
         runs = ", ".join(f"{x:,.0f}" for x in row["runs_fps"])
+        busy = f" {row['trainer_per_s']:>9,.0f}" if trainer else ""
         log(f"{setup:<18} {row['fps']:>10,.0f} {row['ratio']:>6.2f} "
-            f"{lag['p50']:>12.2f} / {lag['p99']:>5.2f} / {lag['max']:>6.2f} {passes:>9} {rows:>9} {ms:>7} {util:>5}  {runs}")
+            f"{lag['p50']:>12.2f} / {lag['p99']:>5.2f} / {lag['max']:>6.2f} {passes:>9} {rows:>9} {ms:>7} {util:>5}{busy}  {runs}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -227,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"machine": m, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args)}
     if args.device == "cuda":
         return run_gpu(args, out)
+    if args.busy_trainer:
+        with BusyTrainer() as alone:
+            time.sleep(args.seconds)
+        out["trainer_alone_per_s"] = alone.steps / args.seconds
+        log(f"the busy trainer alone (nothing collecting): {alone.steps / args.seconds:,.0f} products/s")
     torch.manual_seed(0)
     cartpole = run_case("cartpole", "CartPole-v1", ArgmaxMLP(), args, args.cartpole_envs, args.steps)
     out["cartpole"] = cartpole
@@ -276,6 +323,15 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
     return 0
 
 
+def _setup_names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(";") if x.strip()]
+    unknown = [n for n in names if n not in SETUPS or SETUPS[n][2] is not None]
+    if unknown:
+        cpu = "; ".join(n for n, s in SETUPS.items() if s[2] is None)
+        raise argparse.ArgumentTypeError(f"unknown setup {unknown[0]!r}; the CPU setups: {cpu}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -293,6 +349,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cuda: the GPU comparison (Pong, --gpu-envs envs in all); default cpu")
     p.add_argument("--gpu-envs", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256],
                    help="--device cuda: envs in all, comma-separated (default 64,256)")
+    p.add_argument("--busy-trainer", action="store_true",
+                   help="while measuring, a thread of this process multiplies matrices without a pause (a trainer "
+                        "that wants a core all the time); its products per second are reported")
+    p.add_argument("--setups", type=_setup_names, default=None,
+                   help="the CPU setups to measure, ';'-separated, e.g. 'server, idle;idle, pinned' (default: all; "
+                        "worker inference, the ratios' base, is always measured)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p.parse_args(argv)
 

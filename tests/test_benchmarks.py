@@ -85,3 +85,15 @@ def test_inference_benchmark_runs_every_cpu_setup_to_its_table():
     table = out[out.index("CartPole-v1, 4-64-2 MLP"):]
     assert [line.split("  ")[0].strip() for line in table.splitlines()[2:] if line.strip()][:len(setups)] == setups, out
     assert "Pong: skipped (--skip-pong)" in out and "WARNING" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_inference_benchmark_beside_a_busy_trainer_reports_the_trainers_rate():
+    """``--busy-trainer --setups server``: worker inference (the ratios' base, always measured) and
+    the server, each with the trainer's products per second, and the trainer alone first."""
+    out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2",
+                     "--busy-trainer", "--setups", "server", timeout=110)
+    assert re.search(r"the busy trainer alone \(nothing collecting\): [\d,]+ products/s", out), out
+    rows = re.findall(r"^(worker|server)\s+[\d,]+\s+[\d.]+\s+.*\s([\d,]+)\s+[\d,]+$", out, re.M)
+    assert [r[0] for r in rows] == ["worker", "server"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
+    assert "trainer/s" in out and "WARNING" not in out, out

@@ -484,6 +484,46 @@ async def test_server_priority_idle_runs_the_server_thread_under_sched_idle_and_
             assert torch.equal(a[key], b[key]), key
 
 
+async def test_a_starved_idle_server_says_so_once_with_the_way_out(caplog, monkeypatch):
+    """server_priority="idle" beside threads that keep every core busy (a trainer on the CPU):
+    the server's thread gets almost no CPU time, and the collector says so on the ``aiocollect``
+    logger, once, naming the setting to change; the collection goes on and closes cleanly."""
+    import logging
+    import threading
+
+    from aiocollect._server import StarvationWatch
+
+    monkeypatch.setattr(StarvationWatch, "WINDOW", 1.0)
+    stop = threading.Event()
+
+    def busy() -> None:
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            torch.mm(a, a)
+
+    trainers = [threading.Thread(target=busy, daemon=True) for _ in range(len(os.sched_getaffinity(0)))]
+    caplog.set_level(logging.WARNING, logger="aiocollect")
+    try:
+        with anyio.fail_after(90):
+            async with Collector("CartPole-v1", Greedy(), frames_per_batch=2 * 4 * 4, num_workers=2, envs_per_worker=4,
+                                 inference="server", server_priority="idle") as c:
+                it = aiter(c)
+                check_batch(await anext(it))
+                for t in trainers:
+                    t.start()
+                while not [r for r in caplog.records if "waited for a CPU" in r.getMessage()]:
+                    check_batch(await anext(it))
+                for _ in range(3):
+                    check_batch(await anext(it))
+    finally:
+        stop.set()
+        for t in trainers:
+            if t.is_alive():
+                t.join()
+    (record,) = [r for r in caplog.records if r.name == "aiocollect"]
+    assert "server_priority='idle'" in record.getMessage() and "Use server_priority='normal'" in record.getMessage()
+
+
 def test_server_priority_is_checked():
     with pytest.raises(ConfigError, match="'normal' or 'idle'"):
         Collector("CartPole-v1", Greedy(), frames_per_batch=16, inference="server", server_priority="low")
