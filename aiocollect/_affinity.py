@@ -39,13 +39,13 @@ def _cpu_set(value: Any, what: str, allowed: set[int]) -> tuple[int, ...]:
         raise ConfigError(f"{what} holds {bad[0]!r}, which is not a CPU number (an int)")
     if not cpus:
         raise ConfigError(f"{what} is empty: a worker needs at least one CPU to run on")
-    outside = sorted({int(c) for c in cpus} - allowed)
-    if outside:
+    chosen = {int(c) for c in cpus}
+    if chosen - allowed:
         raise ConfigError(
-            f"{what} names CPU {cpu_list(outside)}, which this process may not run on (it may use CPUs "
+            f"{what} names CPU {cpu_list(chosen - allowed)}, which this process may not run on (it may use CPUs "
             f"{cpu_list(allowed)}: os.sched_getaffinity(0)); choose among those"
         )
-    return tuple(sorted({int(c) for c in cpus}))
+    return tuple(sorted(chosen))
 
 
 def normalize_cpus(value: Any, workers: int, argument: str = "worker_cpus") -> Cpus | None:
@@ -92,6 +92,14 @@ def normalize_cpu_set(value: Any, argument: str) -> tuple[int, ...] | None:
     return None if cpus is None else cpus[0]
 
 
+def not_on_ray(argument: str, what: str) -> ConfigError:
+    """The error for ``argument`` given with ``backend="ray"``: Ray places its actors itself."""
+    return ConfigError(
+        f"{argument} places {what} on this machine; with backend='ray' Ray places the actors: use "
+        f"ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
+    )
+
+
 def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
     """In a worker: run this process (and what it starts later) on ``cpus`` only."""
     if cpus is None:
@@ -106,4 +114,4 @@ def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
         ) from exc
 
 
-__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus"]
+__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus", "not_on_ray"]

@@ -546,13 +546,10 @@ class CollectorConfig:
                 "worker_cpus places worker processes, but with num_workers=0 the envs run in this process; use "
                 "num_workers>=1, or set this process's CPUs yourself (os.sched_setaffinity(0, cpus))"
             )
-        if backend == "ray":
-            raise ConfigError(
-                "worker_cpus places worker processes on this machine; with backend='ray' Ray places the actors: "
-                "use ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
-            )
-        from ._affinity import normalize_cpus
+        from ._affinity import normalize_cpus, not_on_ray
 
+        if backend == "ray":
+            raise not_on_ray("worker_cpus", "worker processes")
         object.__setattr__(self, "worker_cpus", normalize_cpus(self.worker_cpus, self.workers))
 
     @property

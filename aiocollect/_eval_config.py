@@ -176,13 +176,10 @@ class EvaluatorConfig:
         if self.step_timeout is not None:
             _positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
         if self.cpus is not None:
-            if self.backend == "ray":
-                raise ConfigError(
-                    "cpus places the evaluator's worker process on this machine; with backend='ray' Ray places the "
-                    "actor: use ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
-                )
-            from ._affinity import normalize_cpu_set
+            from ._affinity import normalize_cpu_set, not_on_ray
 
+            if self.backend == "ray":
+                raise not_on_ray("cpus", "the evaluator's worker process")
             object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
         if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
             raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")

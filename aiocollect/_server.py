@@ -57,8 +57,7 @@ class StarvationWatch:
 
     def __init__(self, server: "InferenceServer") -> None:
         self.server = server
-        self.warned = False
-        try:
+        try:  # (closed once it has warned: it warns once)
             self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:  # pragma: no cover - no schedstat (a kernel without it): nothing to watch
             self.fd = None
@@ -71,14 +70,12 @@ class StarvationWatch:
 
     def check(self) -> None:
         now = time.monotonic()
-        if self.fd is None or self.warned or now - self.t0 < self.WINDOW:
+        if self.fd is None or now - self.t0 < self.WINDOW:
             return
         waited, passes = self._waited(), self.server.forward_passes
         share = (waited - self.wait0) / (now - self.t0)
         if share > self.SHARE:
-            self.warned = True
-            os.close(self.fd)
-            self.fd = None
+            self.close()
             log.warning(
                 "aiocollect: the inference server's thread (server_priority='idle') waited for a CPU %.0f%% of the "
                 "last %.0f s (%.1f forward passes per second): under SCHED_IDLE it only gets CPU time that no other "

@@ -14,7 +14,6 @@ import torch
 from aiocollect import Collector, Evaluator
 
 
-
 class Greedy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
