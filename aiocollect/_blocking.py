@@ -77,13 +77,31 @@ class BlockingMixin:
                 return
             yield batch
 
-    def update_policy_weights_(self, policy_or_weights: Any = None, **kwargs: Any) -> int:
+    def update_policy_weights_(
+        self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None, worker_ids: Any = None,
+        model_id: str | None = None, weights_dict: Any = None, wait: bool = True, **kwargs: Any,
+    ) -> int:
         """Blocking :meth:`update_weights` (TorchRL's name), for code that uses the blocking
-        wrapper (``with``, ``for batch in collector``, a ``DataLoader``): same arguments, same
-        result (the new version); it returns once the workers applied it (``wait=True``).
-        Inside a running event loop use ``await collector.update_weights(...)``."""
+        wrapper (``with``, ``for batch in collector``, a ``DataLoader``): same result (the new
+        version); it returns once the workers applied it (``wait=True``). Inside a running event
+        loop use ``await collector.update_weights(...)``.
+
+        Takes TorchRL 0.14.1's keywords: the weights as ``policy_or_weights``, ``weights=``,
+        ``policy=`` or ``policy_weights=`` (one of them; none: the constructor's ``policy`` as
+        it is now, which is what a script that trains that module in place wants after each
+        training step), ``worker_ids`` (indices, not devices), ``model_id`` (``"policy"`` or
+        ``"policy.<submodule path>"``; ``None``: ``"policy"``) and ``weights_dict``. Raises
+        :class:`ConfigError` for two ways of passing the weights, devices as ``worker_ids`` or
+        ``{worker index: weights}`` (call it once per worker with ``worker_ids=[index]``), and
+        for a keyword it does not take (that one also a ``TypeError``)."""
+        from ._weightsync import torchrl_arguments
+
+        arguments = torchrl_arguments(
+            policy_or_weights, weights=weights, policy=policy, worker_ids=worker_ids, model_id=model_id,
+            weights_dict=weights_dict, wait=wait, **kwargs,
+        )
         portal = self._blocking("update_policy_weights_()")
-        return portal.call(functools.partial(self.update_weights, policy_or_weights, **kwargs))
+        return portal.call(functools.partial(self.update_weights, **arguments))
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, for code that used the blocking wrapper."""

@@ -25,6 +25,10 @@ from ._errors import AiocollectError, BrokenWorkerError, WorkerError, WorkerTime
 #: they are all gone).
 started_pids: list[int] = []
 
+#: seconds that stopping a child whose hello was not read yet waits for it (forking takes
+#: milliseconds, seconds on a loaded machine), whatever the stop's own timeout.
+HELLO_WAIT = 2.0
+
 
 def add_note(exc: BaseException, note: str) -> None:
     exc.add_note(note)
@@ -71,6 +75,7 @@ class ChildProcess:
         self.pid: int | None = None
         self.pidfd: int | None = None
         self.eof = False
+        self.received = 0  # bytes read from the socket (progress the watchdog can see)
         self._out = bytearray()  # encoded messages not yet written to the socket
         self._sending = False
         self._lock = anyio.Lock(fast_acquire=True)
@@ -164,6 +169,7 @@ class ChildProcess:
             if not data:
                 self.eof = True
                 raise self.broken()
+            self.received += len(data)
             self.inbox.extend(self.reader.feed(data))
         return self.inbox.popleft()
 
@@ -250,28 +256,30 @@ class ChildProcess:
     async def hung_error(
         self, monitor: _heartbeat.HeartbeatMonitor, what: int, env: int, seconds: float, timeout: float
     ) -> WorkerTimeoutError:
-        """The error for this child, busy with one call for ``seconds`` (``what``, ``env``: as
-        :meth:`HeartbeatMonitor.stuck <aiocollect._heartbeat.HeartbeatMonitor.stuck>` says), with
-        its Python stack: :mod:`faulthandler` in the child writes it into ``monitor``'s dump area
-        on ``SIGUSR1``, read here until it stops growing (1 s at most). The caller kills the child."""
-        self.signal(signal.SIGUSR1)
+        """The error for this child, found hung (``what``, ``env``, ``seconds``: as
+        :meth:`HeartbeatMonitor.stuck <aiocollect._heartbeat.HeartbeatMonitor.stuck>` or
+        :meth:`ProgressWatch.check <aiocollect._heartbeat.ProgressWatch.check>` say), with its
+        Python stack: :mod:`faulthandler` in the child writes it into ``monitor``'s dump area on
+        ``SIGUSR1``, read here until it stops growing (1 s at most). A stopped process cannot
+        write it: the error says it is stopped instead. The caller kills the child."""
+        state = _heartbeat.process_state(self.pid)
+        letter = None if state is None else state[0]
         stack = ""
-        with anyio.move_on_after(1.0):
-            while True:  # until the dump stops growing
-                await anyio.sleep(0.05)
-                now = monitor.stack_dump()
-                if now and now == stack:
-                    break
-                stack = now
-        doing = _heartbeat.describe(what, env)
+        if letter not in _heartbeat.STOPPED:
+            self.signal(signal.SIGUSR1)
+            with anyio.move_on_after(1.0):
+                while True:  # until the dump stops growing
+                    await anyio.sleep(0.05)
+                    now = monitor.stack_dump()
+                    if now and now == stack:
+                        break
+                    stack = now
+        fix = "pass on_worker_failure='restart' to replace hung workers and go on"
         return WorkerTimeoutError(
-            f"{self.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout="
-            f"{timeout:g}). It was killed. Its stack when it was declared hung:\n{stack or '(not available)'}"
-            f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
-            f"on_worker_failure='restart' to replace hung workers and go on",
+            _heartbeat.hang_message(self.name, what, env, seconds, timeout, stack, letter, fix),
             worker=self.index,
-            env=env if what != _heartbeat.POLICY else None,
-            doing=doing,
+            env=_heartbeat.env_of(what, env),
+            doing=_heartbeat.describe(what, env),
         )
 
     def close_fds(self) -> None:
@@ -280,23 +288,51 @@ class ChildProcess:
             os.close(self.pidfd)
             self.pidfd = None
 
+    async def learn_pid(self, timeout: float) -> None:
+        """A child whose hello was not read yet (its start-up was cancelled or failed first):
+        read it, for up to ``timeout`` seconds, so that the child can be waited for and killed
+        rather than left to exit by itself. Until it gets its config the child only waits, so it
+        is alive when its pidfd is opened. Nothing is learned if the launcher reported that the
+        fork failed, or the socket reached end-of-file (no child, or it is gone already)."""
+        if self.pid is not None or self.eof or self.sock.fileno() < 0:
+            return
+        with anyio.move_on_after(timeout):
+            try:
+                await self.handshake()
+            except Exception:  # noqa: BLE001 - the launcher's error, or end-of-file: no child left
+                pass
+
     async def stop(self, timeout: float) -> None:
         """Ask the child to finish (end-of-file on its socket) and wait up to ``timeout`` seconds
-        for it to exit; then kill it. Closes our fds. Call it shielded from cancellation."""
-        if self.pid is not None:
-            # end-of-file is the stop request: unlike a message, it cannot land inside a message
-            # whose sending was interrupted (cancelled) half-way
-            try:
-                self.sock.shutdown(socket.SHUT_WR)
-                asked = True
-            except OSError:
-                asked = False
-            if self.eof or not asked or not await self.wait_exit(timeout):
-                self.kill()
-                if not await self.wait_exit(5.0):  # pragma: no cover - unkillable (D state)
-                    self.close_fds()
-                    raise RuntimeError(f"{self.name} did not exit after SIGKILL")
-        self.close_fds()
+        for it to exit; then kill it. Closes our fds. Call it shielded from cancellation.
+
+        A child whose hello was not read yet is waited for (:meth:`learn_pid`, at least
+        ``HELLO_WAIT`` seconds): once it is forked it says hello at once. One the launcher has
+        not forked within that time finds its socket closed and exits on its own."""
+        try:
+            deadline = anyio.current_time() + timeout
+            await self.learn_pid(max(timeout, HELLO_WAIT))
+            timeout = max(deadline - anyio.current_time(), 0.0)
+            if self.pid is not None:
+                # end-of-file is the stop request: unlike a message, it cannot land inside a message
+                # whose sending was interrupted (cancelled) half-way
+                try:
+                    self.sock.shutdown(socket.SHUT_WR)
+                    asked = True
+                except OSError:
+                    asked = False
+                if self.eof or not asked or not await self.wait_exit(timeout):
+                    self.kill()
+                    if not await self.wait_exit(5.0):  # pragma: no cover - unkillable (D state)
+                        raise RuntimeError(f"{self.name} did not exit after SIGKILL")
+        except BaseException:
+            # interrupted (a native task.cancel() passes the caller's shield: the event loop is
+            # going away): nothing more can be awaited, so kill it now, and close our fds
+            # whoever holds this object (it may be detached from its worker seat already)
+            self.stop_nowait()
+            raise
+        finally:
+            self.close_fds()
 
     def stop_nowait(self) -> None:
         """Synchronous last resort (the event loop is going away): kill and wait briefly."""

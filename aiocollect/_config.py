@@ -17,6 +17,10 @@ from ._limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed, max_wor
 from ._policy import EXPLORATION_TYPES
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def _exploration_name(value: Any) -> str:
     name = getattr(value, "value", value)  # tensordict's InteractionType / TorchRL's ExplorationType
     if not isinstance(name, str) or name.lower() not in EXPLORATION_TYPES:
@@ -209,7 +213,9 @@ class CollectorConfig:
     seed: int | None = None
     """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
     prefetch: int = 2
-    """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand)."""
+    """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand; the
+    on-policy (PPO) setting with ``delivery="sync"``: each batch is collected with the newest weights
+    published before it was asked for, where batches collected ahead carry the older version)."""
     zero_copy: bool | Literal["debug"] = False
     """Deliver each batch as views on the workers' shared memory that are handed back at the next
     request, kept or not (TorchRL's ``return_same_td``, without the reuse of one TensorDict).
@@ -222,16 +228,19 @@ class CollectorConfig:
     ``"debug"``: reading a batch after it was handed back crashes the process with a traceback
     (the memory is protected) instead of silently reading newer frames."""
     shutdown_timeout: float = 5.0
-    """Seconds a worker gets to close its envs and exit before it is killed."""
+    """Seconds a worker gets to close its envs and exit before it is killed; also what a start-up
+    that is cancelled (or closed) gets, even one stuck in an env factory. With the local backend a
+    factory runs in a thread, which cannot be killed: after these seconds it is left to finish."""
     postproc: Callable[[Any], Any] | None = None
     """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
     update_at_each_batch: bool = False
     """Publish the weights of ``policy`` (the collector's reference) before each batch."""
     trajs_per_batch: int | None = None
     """Deliver batches of this many complete episodes (instead of ``frames_per_batch`` frames)."""
-    traj_format: Literal["pad", "cat"] = "pad"
+    traj_format: Literal["pad", "padded", "cat"] = "pad"
     """With ``trajs_per_batch``: ``"pad"`` gives ``[N, max_len]`` with ``("collector", "mask")``,
-    ``"cat"`` the trajectories one after another, ``[sum of lengths]``."""
+    ``"cat"`` the trajectories one after another, ``[sum of lengths]``. ``"padded"`` (TorchRL's
+    spelling) is taken as ``"pad"``."""
     on_worker_failure: Literal["raise", "restart"] = "raise"
     """What a worker's failure (an exception, its death, a hang past ``step_timeout``) does:
     ``"raise"`` ends the collection with the error; ``"restart"`` replaces the worker and goes on
@@ -313,6 +322,12 @@ class CollectorConfig:
     of Pong on 2 cores, the loop's p99 lag went from 1.9 to 0.6 ms at 0.78 of worker inference's
     frames per second (0.76 without; see ``docs/inference.md``). ``backend="process"`` only."""
 
+    categorical_action_encoding: bool = True
+    """How a Discrete action is stored: ``True``, its index (``[]`` int64); ``False``, one-hot
+    (``[n]`` int64), as TorchRL's ``GymEnv`` does by default (its ``categorical_action_encoding``
+    option): the policy writes a one-hot action (a single 1), the env gets its index, and random
+    actions are stored one-hot too. Single envs only (not vector envs)."""
+
     def cpus_for(self, worker: int) -> tuple[int, ...] | None:
         """The CPUs of ``worker`` (``None``: wherever the kernel puts it)."""
         return None if self.worker_cpus is None else self.worker_cpus[worker]
@@ -366,7 +381,7 @@ class CollectorConfig:
         _positive_int("num_workers", self.num_workers, allow_zero=True)
         _check_worker_count(self.num_workers)
         _positive_int("envs_per_worker", self.envs_per_worker)
-        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker' or 'server'", "traj_format": "'pad' or 'cat'",
+        _check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker' or 'server'", "traj_format": "'pad' (or 'padded') or 'cat'",
                            "on_worker_failure": "'raise' or 'restart'"})
         if self.delivery not in ("sync", "async"):
             raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
@@ -436,7 +451,7 @@ class CollectorConfig:
             _positive_int("max_frames_per_traj", self.max_frames_per_traj)
         if self.init_random_frames is not None:
             _positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
-        for name in ("reset_at_each_iter", "split_trajs", "progress"):
+        for name in ("reset_at_each_iter", "split_trajs", "progress", "categorical_action_encoding"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.progress:
@@ -453,7 +468,7 @@ class CollectorConfig:
                 f"zero_copy={self.zero_copy!r} and trajs_per_batch={self.trajs_per_batch} cannot be combined: "
                 "trajs_per_batch keeps frames across batches, so it copies them anyway; drop zero_copy"
             )
-        self._check_slot_memory()
+        self.check_slot_memory()
         if self.trajs_per_batch is not None:
             _positive_int("trajs_per_batch", self.trajs_per_batch)
             if self.split_trajs:
@@ -462,8 +477,10 @@ class CollectorConfig:
                     "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
                 )
         check_data_options(self.check_finite, self.action_bounds)
+        if self.traj_format == "padded":  # TorchRL's spelling of the same layout
+            object.__setattr__(self, "traj_format", "pad")
         if self.traj_format not in ("pad", "cat"):
-            raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' or 'cat'")
+            raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' (or TorchRL's 'padded') or 'cat'")
         if not isinstance(self.update_at_each_batch, bool):
             raise ConfigError(f"update_at_each_batch={self.update_at_each_batch!r} must be True or False")
         if self.update_at_each_batch and self.policy is None:
@@ -575,16 +592,66 @@ class CollectorConfig:
         one more held by the consumer, or the slots that may be lent (:attr:`lend_slots`)."""
         return max(2, self.prefetch + 1) + (1 if self.zero_copy else self.lend_slots)
 
-    def _check_slot_memory(self) -> None:
-        """The batch slots of every worker must fit in this machine's memory."""
+    def check_slot_memory(self, layout: Any = None, extra_nbytes: int = 0) -> None:
+        """The batch slots of every worker must fit in this machine's memory.
+
+        At construction (no ``layout``) a lower bound, so that nothing that could work is refused:
+        ``MIN_FRAME_NBYTES`` per frame against RAM and swap. When a run starts, once the workers
+        reported their spaces, ``layout`` (the run's ``SlotLayout``) gives the real figure: every
+        slot of every worker (``prefetch`` ahead, the one being filled, those lent to the consumer
+        or held by ``zero_copy``), ``extra_nbytes`` on top (the workers' heartbeats) and one batch
+        copied out of the slots (made when a batch cannot be lent), against the shared memory that
+        can be filled now (``_shm.available``) less a headroom for the rest of the program
+        (``_shm.headroom``: 10%, at least 256 MiB). This runs before the slots are allocated: a
+        memfd's pages are taken only when written, so an oversized segment would be accepted and
+        then filled towards the OOM killer."""
         slots = self.num_slots
         per_worker = "" if self.delivery == "sync" else f" x {self.workers} workers (delivery='async')"
-        frames = slots * self.frames_per_batch * (1 if self.delivery == "sync" else self.workers)
-        check_fits_in_memory(
-            frames * MIN_FRAME_NBYTES,
-            f"frames_per_batch={self.frames_per_batch} with prefetch={self.prefetch} ({slots} batch slots{per_worker} "
-            f"in shared memory, {MIN_FRAME_NBYTES} bytes per frame or more)",
-            "use a smaller frames_per_batch or prefetch",
+        what = f"frames_per_batch={self.frames_per_batch} with prefetch={self.prefetch} ({slots} batch slots{per_worker}"
+        if layout is None:
+            frames = slots * self.frames_per_batch * (1 if self.delivery == "sync" else self.workers)
+            check_fits_in_memory(
+                frames * MIN_FRAME_NBYTES, f"{what} in shared memory, {MIN_FRAME_NBYTES} bytes per frame or more)",
+                "use a smaller frames_per_batch or prefetch",
+            )
+            return
+        from . import _shm
+
+        probe = _shm.available()
+        if probe is None:
+            return  # (not known here: the lower bound above was checked at construction)
+        have, source = probe
+        keep = _shm.headroom(have)
+        frame = sum(leaf.np_dtype.itemsize * math.prod(leaf.shape) for leaf in layout.leaves)
+        rows = layout.num_envs * (layout.workers if self.delivery == "sync" else 1)  # env rows of a batch
+        batch = rows * layout.frames_per_env
+
+        def needs(frames: int) -> int:
+            built = type(layout).build(list(layout.leaves), layout.num_envs, frames // rows, layout.num_slots, layout.workers)
+            return built.nbytes + extra_nbytes + frames * frame
+
+        need = needs(batch)
+        if need <= have - keep:
+            return
+        # a batch of f frames takes about f * per_frame bytes, plus what does not grow with it
+        # (alignment): an estimate, then the exact figure a row of frames at a time around it
+        per_frame = frame * (layout.num_slots * layout.workers * layout.num_envs // rows + 1)
+        largest = max((have - keep - max(need - batch * per_frame, 0)) // per_frame // rows * rows, 0)
+        while needs(largest + rows) <= have - keep:
+            largest += rows
+        while largest > 0 and needs(largest) > have - keep:
+            largest -= rows
+        counts = f"prefetch={self.prefetch}, num_workers={self.num_workers} and envs_per_worker={self.envs_per_worker}"
+        raise ConfigError(
+            f"{what} of {batch:,} frames of {frame:,} bytes, and one copy of a batch) needs {_size(need)} of shared "
+            f"memory, more than this machine can give now: {_size(have)} ({source}), less {_size(keep)} kept for "
+            f"the rest of the program; "
+            + (f"the largest frames_per_batch that fits with {counts} is {largest}" if largest else
+               f"no frames_per_batch fits with {counts}")
+            + "; " + ("a smaller prefetch, " if self.prefetch else "") + "fewer envs (num_workers, envs_per_worker)"
+            + ("" if self.zero_copy or not self.lend_slots else
+               f" or zero_copy=True (1 slot per worker held by the consumer instead of {self.lend_slots} lent)")
+            + " also help"
         )
 
     def factory_for(self, worker: int) -> Callable[[], Any] | None:

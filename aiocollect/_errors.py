@@ -48,7 +48,9 @@ class AiocollectError(Exception):
 class ConfigError(AiocollectError, ValueError):
     """Raised when an argument, or a combination of arguments, is invalid: by a constructor
     (before any process is started), or by a method called with a bad argument
-    (``update_weights``, ``load_state_dict``, ``split_trajectories`` ...).
+    (``update_weights``, ``load_state_dict``, ``split_trajectories`` ...). Also when a run
+    starts, for what only the env's spaces tell: a ``frames_per_batch`` whose batch slots cannot
+    fit in the memory the machine can give, refused before any slot is filled.
 
     The message names the argument, the value it got and how to fix it.
     """
@@ -113,7 +115,9 @@ class BrokenWorkerError(WorkerError):
 class WorkerTimeoutError(WorkerError):
     """A worker spent longer than ``step_timeout`` seconds in one env ``step``/``reset`` or one
     policy call: it is hung (a deadlocked simulator, a network-backed env that never answers).
-    It is killed; the message holds its Python stack at that moment.
+    Also raised for a worker stopped for that long (``SIGSTOP``, a debugger, a frozen container)
+    or granted work and showing no progress for that long. It is killed; the message holds its
+    Python stack at that moment, or says that it was stopped (a stopped process writes none).
 
     Attributes:
         env: global index of the env it was stepping or resetting (``None``: the policy).

@@ -126,6 +126,14 @@ class EvaluatorConfig:
     ray_actor_options: dict | None = None
     """``backend="ray"``: options for the worker's actor, as Ray's ``.options()`` takes them
     (``num_cpus`` (default 1), ``resources``, ``scheduling_strategy``, ``runtime_env`` ...)."""
+    categorical_action_encoding: bool = True
+    """A Discrete action as the policy writes it: its index (``True``), or one-hot (``False``,
+    TorchRL ``GymEnv``'s default), as the collector's option of the same name."""
+    log_prefix: str | None = None
+    """``None``: aiocollect's metric names (``return_mean`` ...). A str (TorchRL's default is
+    ``"eval"``): TorchRL's ``Evaluator``'s names instead, ``<log_prefix>/reward``,
+    ``/reward_std`` (``ddof=1``), ``/num_episodes``, ``/episode_length``, ``/fps``, ``/step``
+    (an evaluation counter where no ``step`` is given) and ``/<name>`` for ``metrics_fn``'s items."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -181,8 +189,21 @@ class EvaluatorConfig:
             if self.backend == "ray":
                 raise not_on_ray("cpus", "the evaluator's worker process")
             object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
+        if self.backend == "thread":
+            raise ConfigError(
+                "backend='thread' (TorchRL's default) is not an aiocollect backend: its evaluator runs in a worker "
+                "process of its own, which never holds your event loop or your GIL; use backend='process' (the "
+                "default), or 'ray'"
+            )
         if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
             raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")
+        if not isinstance(self.categorical_action_encoding, bool):
+            raise ConfigError(f"categorical_action_encoding={self.categorical_action_encoding!r} must be True or False")
+        if self.log_prefix is not None and (not isinstance(self.log_prefix, str) or not self.log_prefix):
+            raise ConfigError(
+                f"log_prefix={self.log_prefix!r} must be a non-empty str (TorchRL's metric names, e.g. 'eval' gives "
+                f"'eval/reward'), or None for aiocollect's names"
+            )
         if self.backend == "ray":
             from ._ray import check_actor_options
 
@@ -292,6 +313,7 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
             registry=registry,
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,
+            one_hot_actions=not c.categorical_action_encoding,
         ))
     except Exception as exc:
         raise ConfigError(

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import anyio
 
 from . import _heartbeat, _shm
-from ._child import ChildProcess
+from ._child import HELLO_WAIT, ChildProcess
 from ._errors import BrokenWorkerError, WorkerError
 from ._eval_wire import Abort, Aborted, Answer, Configure, Error, Evaluate, Failed, Ready, Result, is_fatal
 from ._launcher import get_launcher
@@ -39,6 +39,8 @@ class EvalProcess(ChildProcess):
         self.reader_done: anyio.Event | None = None
         self.heartbeat_fd: int | None = None
         self.monitor: _heartbeat.HeartbeatMonitor | None = None
+        self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
+        self.waiting: int | None = None  # the evaluation sent and not answered yet
 
     @classmethod
     async def open(
@@ -129,15 +131,19 @@ class EvalProcess(ChildProcess):
         (:class:`Result`, :class:`Failed`, :class:`Aborted` or the fatal :class:`Error`). Raises the
         worker's death (or hang) if it comes first."""
         req.sent = False
-        await self.send(Evaluate(req.id, weights, episodes))
-        req.sent = True
-        if req.abandoned:
-            await self.send(Abort(req.id))
-        while True:
-            msg = await self.reply()
-            if is_fatal(msg) or (isinstance(msg, (Result, Failed, Aborted)) and msg.id == req.id):
-                return msg
-            # else the answer to an abort that arrived after its evaluation finished
+        self.waiting = req.id
+        try:
+            await self.send(Evaluate(req.id, weights, episodes))
+            req.sent = True
+            if req.abandoned:
+                await self.send(Abort(req.id))
+            while True:
+                msg = await self.reply()
+                if is_fatal(msg) or (isinstance(msg, (Result, Failed, Aborted)) and msg.id == req.id):
+                    return msg
+                # else the answer to an abort that arrived after its evaluation finished
+        finally:
+            self.waiting = None
 
     def abort_nowait(self, rid: int) -> None:
         """Ask the worker to stop evaluation ``rid`` (from synchronous code: a cancelled caller)."""
@@ -150,10 +156,14 @@ class EvalProcess(ChildProcess):
 
     # -- hangs and stopping ---------------------------------------------------------------------
     async def check_hung(self, timeout: float) -> None:
-        """If the worker has spent longer than ``timeout`` in one call, take its stack, record
-        the :class:`WorkerTimeoutError` in :attr:`hung` and kill it."""
+        """If the worker has spent longer than ``timeout`` in one call, or, from what the
+        evaluator sees alone, is stopped or has not started the evaluation it was sent
+        (:class:`~aiocollect._heartbeat.ProgressWatch`), take its stack, record the
+        :class:`WorkerTimeoutError` in :attr:`hung` and kill it."""
         monitor = self.monitor
-        stuck = None if monitor is None else monitor.stuck(timeout)
+        if monitor is None:
+            return
+        stuck = monitor.stuck(timeout) or self.progress.check(self.pid, timeout, self.waiting, self.received, monitor)
         if stuck is None:
             return
         error = await self.hung_error(monitor, *stuck, timeout)  # type: ignore[arg-type]
@@ -168,6 +178,7 @@ class EvalProcess(ChildProcess):
             self.scope.cancel()
             assert self.reader_done is not None
             await self.reader_done.wait()  # no task may wait on the socket when it is closed
+        await self.learn_pid(max(timeout, HELLO_WAIT))  # (its start-up was cancelled or failed)
         if self.pid is not None:
             try:
                 self.sock.shutdown(socket.SHUT_WR)

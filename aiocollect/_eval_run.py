@@ -64,10 +64,12 @@ class Request:
 
 
 async def compute_metrics(
-    returns: list[float], lengths: list[int], metrics_fn: Callable | None, step: int | None, seconds: float
+    returns: list[float], lengths: list[int], metrics_fn: Callable | None, step: int | None, seconds: float,
+    log_prefix: str | None = None,
 ) -> dict:
-    """The metrics of one evaluation (see :class:`~aiocollect.Evaluator`); raises what
-    ``metrics_fn`` raises, and :class:`TypeError` if it returns no mapping."""
+    """The metrics of one evaluation (see :class:`~aiocollect.Evaluator`), or with ``log_prefix``
+    under TorchRL's Evaluator's names (:func:`torchrl_metrics`); raises what ``metrics_fn``
+    raises, and :class:`TypeError` if it returns no mapping."""
     r = np.asarray(returns, dtype=np.float64)
     n = np.asarray(lengths, dtype=np.int64)
     metrics: dict[str, Any] = {
@@ -87,7 +89,30 @@ async def compute_metrics(
             )
         metrics.update(extra)
     metrics.update(step=step, num_trajectories=len(r), seconds=seconds)
+    if log_prefix is not None:
+        return torchrl_metrics(metrics, r, n, extra if metrics_fn is not None else {}, log_prefix)
     return metrics
+
+
+def torchrl_metrics(ours: dict, returns: np.ndarray, lengths: np.ndarray, extra: Mapping, prefix: str) -> dict:
+    """The metrics under TorchRL 0.14's ``Evaluator`` names: ``<prefix>/reward`` (the mean
+    return), ``<prefix>/reward_std`` (sample standard deviation, ``ddof=1``; 0.0 for one episode,
+    as TorchRL's), ``<prefix>/num_episodes``, ``<prefix>/episode_length`` (mean),
+    ``<prefix>/fps`` (frames per second of the evaluation), ``<prefix>/step``, and each of
+    ``metrics_fn``'s items as ``<prefix>/<name>``."""
+    seconds = ours["seconds"]
+    out: dict[str, Any] = {
+        f"{prefix}/reward": ours["return_mean"],
+        f"{prefix}/reward_std": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
+        f"{prefix}/num_episodes": len(returns),
+        f"{prefix}/episode_length": ours["episode_length_mean"],
+    }
+    if seconds > 0:
+        out[f"{prefix}/fps"] = float(lengths.sum()) / seconds
+    out[f"{prefix}/step"] = ours["step"]
+    for name, value in extra.items():
+        out[f"{prefix}/{name}"] = value
+    return out
 
 
 class EvalRun:
@@ -330,7 +355,8 @@ class EvalRun:
 
     async def _watchdog(self, timeout: float) -> None:
         """Declare the worker hung when it spends longer than ``timeout`` in one call of an
-        evaluation (never while idle: its heartbeat says so, and it is only read during one)."""
+        evaluation, or is stopped or has not started the evaluation it was sent for that long
+        (checked during an evaluation only: between them an idle worker is never hung)."""
         period = min(max(timeout / 4, 0.01), 1.0)
         while True:
             await anyio.sleep(period)
@@ -401,7 +427,9 @@ class EvalRun:
                     else:
                         if isinstance(msg, Result):
                             seconds = time.perf_counter() - t0
-                            return await compute_metrics(msg.returns, msg.lengths, self.config.metrics_fn, req.step, seconds)
+                            return await compute_metrics(
+                                msg.returns, msg.lengths, self.config.metrics_fn, req.step, seconds, self.config.log_prefix
+                            )
                         if isinstance(msg, Aborted):
                             return None
                         error = proc.failure(msg)
@@ -452,4 +480,4 @@ class EvalRun:
         req.done.set()
 
 
-__all__ = ["EvalRun", "Request", "compute_metrics", "in_event_loop"]
+__all__ = ["EvalRun", "Request", "compute_metrics", "in_event_loop", "torchrl_metrics"]

@@ -51,6 +51,7 @@ class EvalWorkerConfig:
     registry: tuple = ()  # _registry.snapshot() of the evaluator's process, installed before the envs are made
     check_finite: bool = False
     action_bounds: ActionBounds = "pass"
+    one_hot_actions: bool = False  # categorical_action_encoding=False: the policy writes a Discrete action one-hot
 
 
 # -- parent to worker ----------------------------------------------------------------------------

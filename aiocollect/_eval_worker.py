@@ -37,7 +37,7 @@ from ._affinity import apply_cpus
 from ._envs import add_envs, close_envs
 from ._errors import ConfigTypeError, SpecError
 from ._eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
-from ._layout import action_leaves, flattener, leaf_spaces, observation_leaves
+from ._layout import action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from ._peer import Peer, _Stop, pack_exception, serve_peer
 
 
@@ -88,7 +88,7 @@ class EvalWorker(Peer):
             self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator", cfg.registry
         )
         self.obs_leaves = observation_leaves(self.obs_space)
-        self.act_leaves = action_leaves(self.act_space)
+        self.act_leaves = action_leaves(self.act_space, cfg.one_hot_actions)
         self.obs_spaces = leaf_spaces(self.obs_space)
         self.flatten_obs = flattener(self.obs_space, "observation")
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
@@ -213,7 +213,7 @@ class EvalWorker(Peer):
 
     def _set_obs(self, i: int, obs: Any) -> None:
         what = f"eval env {i}'s observation"
-        if len(self.obs_leaves) == 1:
+        if is_bare(self.obs_space):  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
             self.obs[0][i] = check_value(obs, self.obs_leaves[0], what, self.obs_spaces[0])
         else:
             for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, self.obs, self.flatten_obs(obs)):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Literal
 
+import anyio
 import numpy as np
 
-from ._errors import EvaluatorBusyError, EvaluatorClosedError
+from ._errors import ConfigError, EvaluatorBusyError, EvaluatorClosedError
 from ._eval_config import EvaluatorConfig, EvaluatorState, check_request, weights_payload, worker_setup
-from ._eval_run import EvalRun
+from ._eval_run import EvalRun, in_event_loop
 from ._launcher import get_launcher
 from ._service import Service, warn_unclosed
 
@@ -130,6 +131,8 @@ class Evaluator(Service):
         step_timeout: float | None = None,
         backend: Literal["process", "ray"] = "process",
         ray_actor_options: dict | None = None,
+        log_prefix: str | None = None,
+        categorical_action_encoding: bool = True,
     ) -> None:
         self.config = c = EvaluatorConfig(
             env=env,
@@ -156,9 +159,13 @@ class Evaluator(Service):
             step_timeout=step_timeout,
             backend=backend,
             ray_actor_options=ray_actor_options,
+            log_prefix=log_prefix,
+            categorical_action_encoding=categorical_action_encoding,
         )
         worker_config, needs = worker_setup(c)
         self._run = EvalRun(c, worker_config, needs)
+        self._portal: Any = None  # synchronous code (TorchRL's blocking calls): a _blocking.Portal, made on first use
+        self._steps = 0  # with log_prefix: TorchRL's evaluation counter, the step of an untagged evaluation
         if c.backend == "process":
             # let the launcher import what the worker needs while the caller does other things
             get_launcher().ensure_started(needs)
@@ -222,7 +229,10 @@ class Evaluator(Service):
     async def start(self) -> None:
         """Start the worker process and wait until it is ready (idempotent). Raises what the
         worker raised while starting (the env factory's error, a :class:`SpecError` for a policy
-        that does not fit the env ...); the evaluator is then closed."""
+        that does not fit the env ...); the evaluator is then closed. A cancelled ``async with``
+        entry closes the evaluator, and :meth:`aclose` ends a start-up in progress: a worker
+        still starting (even one stuck in an env factory that never returns) is killed. Either
+        way the worker process is gone by the time the error reaches the caller."""
         if self._run.state is EvaluatorState.CLOSED and self._run.task is None:
             raise EvaluatorClosedError("this evaluator is closed and cannot be reopened; create a new Evaluator")
         self._launch()
@@ -247,7 +257,19 @@ class Evaluator(Service):
             pass
 
     # -- evaluating -------------------------------------------------------------------------------
-    async def evaluate(self, weights: Any = None, step: int | None = None) -> dict:
+    def evaluate(self, weights: Any = None, step: int | None = None, *, weights_dict: dict | None = None) -> Any:
+        """Evaluate ``weights`` (see the class docstring) and return the metrics, tagged ``step``:
+        ``await evaluator.evaluate(...)`` in async code. In synchronous code (no running event loop)
+        it blocks and returns the metrics, as TorchRL's ``Evaluator.evaluate``: the evaluator then
+        runs in an event loop in a helper thread, until :meth:`shutdown`. ``weights_dict``
+        (TorchRL's) may hold ``"policy"`` only: the same as ``weights``.
+        """
+        weights, step = self._torchrl_args(weights, step, weights_dict, "evaluate")
+        if in_event_loop():
+            return self._evaluate(weights, step)
+        return self._blocking().call(self._evaluate, weights, step)
+
+    async def _evaluate(self, weights: Any = None, step: int | None = None) -> dict:
         """Evaluate ``weights`` (see the class docstring) and return the metrics, tagged ``step``.
 
         Starts the evaluator if needed; waits behind evaluations already pending. Raises the
@@ -314,17 +336,88 @@ class Evaluator(Service):
         self._submit(weights, step, background=True)
         return True
 
-    def poll(self) -> dict | None:
+    def trigger_eval(self, weights: Any = None, step: int | None = None, *, weights_dict: dict | None = None) -> bool:
+        """TorchRL's name for :meth:`trigger` (the same arguments, and TorchRL's ``weights_dict``
+        with ``"policy"`` only). In synchronous code (no running event loop) it schedules the
+        evaluation in the helper thread's event loop that a blocking :meth:`evaluate` uses."""
+        weights, step = self._torchrl_args(weights, step, weights_dict, "trigger_eval")
+        if in_event_loop():
+            return self.trigger(weights, step)
+        return self._blocking().call(self.trigger, weights, step)
+
+    def shutdown(self, timeout: float | None = None) -> Any:
+        """TorchRL's name for :meth:`aclose`: ``await evaluator.shutdown()`` in async code; in
+        synchronous code it blocks until the worker is gone and ends the helper thread.
+        ``timeout`` is accepted for TorchRL's signature; the worker gets the constructor's
+        ``shutdown_timeout``."""
+        if in_event_loop():
+            return self.aclose()
+        if self._portal is None and self._run.state is EvaluatorState.CLOSED:
+            return None  # closed already (by aclose() in its event loop, or a failed start)
+        portal = self._blocking()
+        try:
+            portal.call(self.aclose)
+        finally:
+            self._portal.close()
+        return None
+
+    def _blocking(self) -> Any:
+        """The helper thread's portal (synchronous code), started on first use."""
+        if self._portal is None:
+            if self._run.state is not EvaluatorState.CREATED:
+                raise ConfigError(
+                    "this evaluator runs in an event loop already; call it from that loop's async code "
+                    "(`await evaluator.evaluate(...)`), not from synchronous code"
+                )
+            from ._blocking import Portal  # (only here: the evaluator imports none of the collector's code)
+
+            self._portal = Portal(self._run)
+        return self._portal.get()
+
+    def _torchrl_args(self, weights: Any, step: Any, weights_dict: Any, method: str) -> tuple[Any, Any]:
+        """TorchRL's ``weights_dict`` (``{"policy": weights}`` only) and, with ``log_prefix``,
+        TorchRL's counter for an untagged evaluation's step."""
+        if weights_dict is not None:
+            if not isinstance(weights_dict, dict) or set(weights_dict) - {"policy"}:
+                names = sorted(weights_dict) if isinstance(weights_dict, dict) else weights_dict
+                raise ConfigError(
+                    f"{method}(weights_dict={names!r:.200}): the evaluator's worker holds one model, the policy; "
+                    f"pass {method}(weights) (or weights_dict={{'policy': weights}})"
+                )
+            if weights is None:
+                weights = weights_dict.get("policy")
+        if step is None and self.config.log_prefix is not None:
+            step, self._steps = self._steps, self._steps + 1
+        return weights, step
+
+    def poll(self, timeout: float = 0) -> dict | None:
         """The metrics of the latest background evaluation completed since the last
         :meth:`poll` or :meth:`wait` (older ones are superseded: see the events), or ``None``.
-        Never blocks. Raises a background evaluation's error nobody has seen yet (once)."""
+        Never blocks (TorchRL's ``timeout`` must be 0: use ``wait(timeout)`` to wait). Raises a
+        background evaluation's error nobody has seen yet (once)."""
+        if timeout:
+            raise ConfigError(
+                f"poll(timeout={timeout!r}) never waits here; use evaluator.wait(timeout={timeout!r}) to wait for "
+                f"the pending evaluations"
+            )
         self._run.raise_background_error()
         result, self._run.unconsumed = self._run.unconsumed, None
         return result
 
-    async def wait(self) -> dict | None:
+    def wait(self, timeout: float | None = None) -> Any:
         """Wait until no evaluation is pending; return the metrics of the last one that completed
-        (``None`` if none has). Raises a background evaluation's error nobody has seen yet."""
+        (``None`` if none has; also ``None`` after ``timeout`` seconds, where one is given).
+        Raises a background evaluation's error nobody has seen yet. ``await evaluator.wait()`` in
+        async code; in synchronous code it blocks (TorchRL's ``wait``)."""
+        if in_event_loop():
+            return self._wait(timeout)
+        return self._blocking().call(self._wait, timeout)
+
+    async def _wait(self, timeout: float | None = None) -> dict | None:
+        if timeout is not None:
+            with anyio.move_on_after(timeout):
+                return await self._wait()
+            return None
         run = self._run
         while run.pending or run.reporting is not None:
             await run.changed.wait()

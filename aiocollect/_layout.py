@@ -90,8 +90,24 @@ def observation_leaves(space: spaces.Space) -> list[Leaf]:
     return space_leaves(space, ("observation",), root_dict=True)
 
 
-def action_leaves(space: spaces.Space) -> list[Leaf]:
+def action_leaves(space: spaces.Space, one_hot: bool = False) -> list[Leaf]:
+    """The action's leaves; with ``one_hot`` (``categorical_action_encoding=False``, TorchRL
+    GymEnv's default) a Discrete action space's action is stored one-hot: ``[n]`` int64."""
+    if one_hot:
+        if not isinstance(space, spaces.Discrete):
+            raise SpecError(
+                f"categorical_action_encoding=False stores a Discrete action one-hot, but the action space is "
+                f"{_space_name(space)}; drop the option (it is for Discrete action spaces)"
+            )
+        return [Leaf(("action",), (int(space.n),), "int64")]
     return space_leaves(space, ("action",))
+
+
+def is_bare(space: spaces.Space) -> bool:
+    """Whether a value of ``space`` is its only leaf's value itself (a Box, Discrete ...), not a
+    dict or tuple holding it: a one-leaf Dict or Tuple space has one leaf, but its values are
+    still structured (``{"pixels": array}``) and go through :func:`flattener`/:func:`unflattener`."""
+    return not isinstance(space, (spaces.Dict, spaces.Tuple))
 
 
 def leaf_spaces(space: spaces.Space) -> list[spaces.Space]:
@@ -169,10 +185,20 @@ def _first(values: list[Any]) -> Any:
 # -- slots ------------------------------------------------------------------------------------
 
 
-def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[Leaf]:
+def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf], step_count: bool = False) -> list[Leaf]:
     """Every leaf a worker writes into a slot, in a fixed order. (``("next", "done")`` is not
-    stored: the collector computes it once per batch from terminated and truncated.)"""
+    stored: the collector computes it once per batch from terminated and truncated.)
+    ``step_count``: also ``step_count`` and ``("next", "step_count")`` (``max_frames_per_traj``,
+    as TorchRL's ``StepCounter``)."""
     leaves = list(obs) + list(act) + list(extras)
+    if step_count:
+        taken = [leaf.key for leaf in leaves if leaf.key[0] == "step_count"]
+        if taken:
+            raise SpecError(
+                f"max_frames_per_traj adds the key 'step_count' to the batch (as TorchRL's StepCounter), but the "
+                f"env's observations or the policy's outputs have {'.'.join(taken[0])!r} already; rename that key"
+            )
+        leaves += [Leaf(("step_count",), (1,), "int64"), Leaf(("next", "step_count"), (1,), "int64")]
     leaves += [Leaf(("next",) + leaf.key, leaf.shape, leaf.dtype) for leaf in obs]
     leaves += [
         Leaf(("next", "reward"), (1,), "float32"),

@@ -72,15 +72,26 @@ class Peer:
 
 def pack_exception(exc: BaseException) -> bytes:
     """``exc`` pickled for the parent (cloudpickle); one that does not survive the round trip
-    travels as a ``RuntimeError`` carrying its type and text."""
+    travels as a ``RuntimeError`` carrying its type and text. Its ``__cause__`` travels with it
+    where that pickles too (an exception's pickle leaves it out): our errors raised ``from`` the
+    user's keep the original, as they do in the collector's process."""
     import cloudpickle
 
+    cause = exc.__cause__
+    if cause is not None:
+        try:
+            cloudpickle.loads(cloudpickle.dumps(cause))
+            vars(exc)["__cause__"] = cause  # (restored by the exception's __setstate__)
+        except Exception:  # noqa: BLE001 - the cause stays behind
+            pass
     try:
         data = cloudpickle.dumps(exc)
         cloudpickle.loads(data)
         return data
     except Exception:
         return cloudpickle.dumps(RuntimeError(f"{type(exc).__qualname__}: {exc}"))
+    finally:
+        vars(exc).pop("__cause__", None)
 
 
 P = TypeVar("P", bound=Peer)

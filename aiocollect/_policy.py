@@ -17,7 +17,7 @@ from gymnasium import spaces
 
 from ._checks import dtype_problem
 from ._errors import ConfigTypeError, SpecError
-from ._layout import Key, Leaf, as_key, flattener, unflattener
+from ._layout import Key, Leaf, as_key, flattener, is_bare, unflattener
 
 EXPLORATION_TYPES = ("random", "deterministic", "mode", "mean", "median")
 
@@ -106,16 +106,35 @@ class EnvActions:
 
     def __init__(self, space: spaces.Space, leaves: list[Leaf]) -> None:
         self.leaves = leaves
-        self.single = len(leaves) == 1
+        self.single = is_bare(space)  # (a one-leaf Dict/Tuple space takes a dict/tuple)
         self.discrete = self.single and isinstance(space, spaces.Discrete)
+        # categorical_action_encoding=False: the stored action is one-hot, the env takes its index
+        self.one_hot = self.discrete and leaves[0].shape == (int(space.n),)  # type: ignore[attr-defined]
+        self.start = int(getattr(space, "start", 0)) if self.discrete else 0
         self.unflatten = unflattener(space)
 
     def per_env(self, arrays: list[np.ndarray], num_envs: int) -> Sequence[Any]:
+        if self.one_hot:
+            return self.indices(arrays[0])
         if self.discrete:
             return arrays[0].tolist()
         if self.single:
             return list(arrays[0])
         return [self.unflatten([a[i] for a in arrays]) for i in range(num_envs)]
+
+    def indices(self, one_hot: np.ndarray) -> list[int]:
+        """Each row's index (plus the space's ``start``); a row that is not one-hot (exactly one 1,
+        zeros elsewhere) is a :class:`SpecError`."""
+        ok = ((one_hot == 0) | (one_hot == 1)).all(-1) & (one_hot.sum(-1) == 1)
+        if not ok.all():
+            row = int(np.flatnonzero(~ok)[0])
+            raise SpecError(
+                f"the policy wrote 'action' {one_hot[row].tolist()} for env row {row}, which is not one-hot "
+                f"(categorical_action_encoding=False takes one-hot actions of shape [{one_hot.shape[-1]}]: a single 1); "
+                f"write a one-hot action (e.g. torch.nn.functional.one_hot(index, n)), or drop the option and write "
+                f"the index"
+            )
+        return (one_hot.argmax(-1) + self.start).tolist()
 
 
 class RandomRunner:
@@ -130,12 +149,21 @@ class RandomRunner:
     def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
         self.spaces = action_spaces
         self.flatten = flattener(action_spaces[0], "action")
-        self.single = len(act_leaves) == 1
+        self.single = is_bare(action_spaces[0])
         self.dtypes = [leaf.np_dtype for leaf in act_leaves]
+        space = action_spaces[0]
+        # categorical_action_encoding=False: random Discrete actions stored one-hot, as TorchRL's OneHot.rand()
+        self.one_hot = (
+            np.eye(int(space.n), dtype=np.int64) if isinstance(space, spaces.Discrete) and act_leaves[0].shape == (int(space.n),)
+            else None
+        )
 
     def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         samples = [space.sample() for space in self.spaces]
-        if self.single:
+        if self.one_hot is not None:
+            start = int(self.spaces[0].start)  # type: ignore[attr-defined]
+            arrays = [self.one_hot[np.asarray(samples, dtype=np.int64) - start]]
+        elif self.single:
             arrays = [np.asarray(samples, dtype=self.dtypes[0])]
         else:
             flat = [self.flatten(s) for s in samples]
@@ -210,7 +238,10 @@ class _TorchRunner:
         if tuple(value.shape) != want:
             hint = ""
             if isinstance(self.act_space, spaces.Discrete) and tuple(value.shape) == (self.num_envs, int(self.act_space.n)):
-                hint = " (it looks one-hot or like logits: write the index, e.g. logits.argmax(-1))"
+                hint = (
+                    " (it looks one-hot or like logits: write the index, e.g. logits.argmax(-1), or for one-hot actions "
+                    "as TorchRL's GymEnv takes them pass categorical_action_encoding=False)"
+                )
             elif tuple(value.shape) == (self.num_envs, 1) + leaf.shape or tuple(value.shape) == want + (1,):
                 hint = " (squeeze the extra dimension)"
             raise SpecError(
@@ -299,7 +330,15 @@ class _TorchRunner:
         import torch
 
         with torch.random.fork_rng(devices=[]):
-            outputs = self._forward(obs)
+            try:
+                outputs = self._forward(obs)
+            except Exception as exc:  # a policy built for other observations: said as such
+                from ._shapes import input_mismatch
+
+                error = input_mismatch(exc, self, obs)
+                if error is None:
+                    raise
+                raise error from exc
         self._missing_action(outputs)
         extras = self._extra_leaves(outputs)
         self._convert(outputs)
@@ -325,7 +364,7 @@ class ModuleRunner(_TorchRunner):
         # what the per-step path calls, looked up once
         self._grad_enabled, self._no_grad = torch.is_grad_enabled, torch.no_grad
         self.out_keys = list(out_keys)
-        self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and len(self.act_leaves) == 1
+        self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and is_bare(self.act_space)
         self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
         self.want_dtype = self.act_leaves[0].np_dtype if self.act_leaves else None
         index = {key: i for i, key in enumerate(self.obs_keys)}

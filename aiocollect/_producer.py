@@ -1,10 +1,11 @@
 """The producer: turns the workers' completed slots into delivered batches.
 
-Each round it grants the workers the credits they may collect with (``prefetch`` ahead of the
-consumers' requests), waits for the parts of a batch (every worker's next slot in ``sync``
-delivery, the first one ready in ``async``), assembles them (one copy out of shared memory),
-gives the slots back, runs the hooks and post-processing, and sends the batch into the bounded
-stream that ``collect()`` / ``async for`` read.
+Each round it grants the workers the credits they may collect with (rounds: ``prefetch``
+deliveries ahead of the consumers' requests, and more while a delivery still needs rounds), waits
+for the parts of a batch (every worker's next slot in ``sync`` delivery, the first one ready in
+``async``), assembles them (one copy out of shared memory), gives the slots back, runs the hooks
+and post-processing, and sends the batch into the bounded stream that ``collect()`` /
+``async for`` read.
 """
 
 from __future__ import annotations
@@ -118,7 +119,13 @@ class Producer:
         """Grant workers the credits they may collect with now."""
         run, c = self.run, self.run.config
         if c.delivery == "sync":
-            target = min(remaining, run.requested + c.prefetch)
+            # rounds, not deliveries: the rounds taken so far, plus one for each delivery the
+            # consumers want (``prefetch`` ahead). A round delivers one batch, except under
+            # ``trajs_per_batch``, where it may deliver none (episodes longer than a round) or
+            # several: counting in deliveries alone would stop granting rounds while a delivery
+            # still waits for its episodes to end.
+            wanted = max(0, run.requested + c.prefetch - self.produced)
+            target = min(remaining, self.rounds + wanted)
             if c.update_at_each_batch and run.sync.can_pull and any(w.credits_sent < target for w in run.workers):
                 # pulled right before the workers may start the next batch(es)
                 await run.sync.publish({"policy": None}, list(range(c.workers)))

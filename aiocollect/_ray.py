@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import deque
 from typing import Any, Callable
@@ -23,7 +24,7 @@ import anyio
 import numpy as np
 
 from ._errors import BrokenWorkerError, ConfigError, SpecError, WorkerTimeoutError
-from ._heartbeat import POLICY, describe
+from ._heartbeat import STOPPED, UNRESPONSIVE, describe, env_of, hang_message, process_state
 from ._layout import SlotLayout
 from ._rollout import RolloutConfig
 from ._workers import LoopSeat, OnApplied, OnReady, _Slots, allocate_segment, worker_error
@@ -188,6 +189,24 @@ async def kill_actor(actor: Any, pid: int | None, node: str) -> None:
                 await anyio.sleep(0.01)
 
 
+def local_state(pid: int | None, node: str) -> str | None:
+    """The state letter of an actor's process when it runs on this node (``None``: unknown)."""
+    if pid is None or not node or node != _this_node():
+        return None
+    state = process_state(pid)
+    return None if state is None else state[0]
+
+
+def kill_stopped(pid: int | None, state: str | None) -> None:
+    """SIGKILL a stopped actor process of this node at once (``ray.kill`` asks it to exit
+    first, which a stopped process cannot do)."""
+    if pid is not None and state in STOPPED:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 _classes: dict[type, Any] = {}
 
 
@@ -220,6 +239,7 @@ class RayWorker(LoopSeat):
         self.caller: _Caller | None = None
         self.hung: BaseException | None = None
         self._beat: Any = None  # future of the watchdog's last question
+        self._asked = 0.0  # when it was asked
         self._stuck: tuple[int, int, float] | None = None
 
     @property
@@ -380,17 +400,22 @@ class RayWorker(LoopSeat):
     # -- hangs ----------------------------------------------------------------------------------
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
         """What the actor answered last time (asked again now: its control thread answers while
-        a batch runs)."""
+        a batch runs). An actor that has not answered for longer than ``timeout`` (1 s at least)
+        is hung whatever it was doing (:data:`~aiocollect._heartbeat.UNRESPONSIVE`): its process
+        is stopped or frozen (or stuck in native code that holds the GIL)."""
         if self.actor is None or self.hung is not None:
             return None
         beat = self._beat
-        if beat is None or beat.done():
-            if beat is not None:
-                try:
-                    self._stuck = beat.result()
-                except Exception:  # noqa: BLE001 - the actor died: serve() reports it
-                    self._stuck = None
-            self._beat = self.actor.stuck.options(concurrency_group="control").remote(timeout).future()
+        if beat is not None and not beat.done():
+            waited = time.monotonic() - self._asked
+            return (UNRESPONSIVE, 0, waited) if waited > max(timeout, 1.0) else None  # (1 s: Ray's own latency)
+        if beat is not None:
+            try:
+                self._stuck = beat.result()
+            except Exception:  # noqa: BLE001 - the actor died: serve() reports it
+                self._stuck = None
+        self._beat = self.actor.stuck.options(concurrency_group="control").remote(timeout).future()
+        self._asked = time.monotonic()
         found, self._stuck = self._stuck, None
         return found
 
@@ -399,23 +424,23 @@ class RayWorker(LoopSeat):
         then returns a :class:`WorkerTimeoutError`."""
         ray = import_ray()
         actor = self.actor
+        state = local_state(self.actor_pid, self.node)
         stack = ""
-        with anyio.move_on_after(1.0):
-            try:
-                stack = await await_ref(actor.stack.options(concurrency_group="control").remote())
-            except Exception:  # noqa: BLE001 - died meanwhile
-                pass
-        doing = describe(what, env)
+        if what != UNRESPONSIVE and state not in STOPPED:
+            with anyio.move_on_after(1.0):
+                try:
+                    stack = await await_ref(actor.stack.options(concurrency_group="control").remote())
+                except Exception:  # noqa: BLE001 - died meanwhile
+                    pass
+        fix = "pass on_worker_failure='restart' to replace hung workers and go on"
         self.hung = WorkerTimeoutError(
-            f"{self._who()} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout={timeout:g}). "
-            f"It was killed. Its stack when it was declared hung:\n{stack.rstrip() or '(not available)'}"
-            f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
-            f"on_worker_failure='restart' to replace hung workers and go on",
+            hang_message(self._who(), what, env, seconds, timeout, stack, state, fix),
             worker=self.index,
-            env=env if what != POLICY else None,
-            doing=doing,
+            env=env_of(what, env),
+            doing=describe(what, env),
         )
         ray.kill(actor, no_restart=True)
+        kill_stopped(self.actor_pid, state)
 
     # -- replacement and shutdown ---------------------------------------------------------------
     async def replace(self, cfg: RolloutConfig) -> None:

@@ -19,8 +19,8 @@ import anyio
 
 from ._errors import BrokenWorkerError, WorkerError, WorkerTimeoutError
 from ._eval_wire import Aborted, Answer, Failed, Result
-from ._heartbeat import POLICY, describe
-from ._ray import actor_class, await_ref, import_ray, kill_actor
+from ._heartbeat import STOPPED, UNRESPONSIVE, describe, env_of, hang_message
+from ._ray import actor_class, await_ref, import_ray, kill_actor, kill_stopped, local_state
 from ._workers import worker_error
 
 _PING = 1.0  # seconds between checks that an idle actor is alive
@@ -147,34 +147,38 @@ class RayEvalWorker:
 
     # -- hangs and stopping ---------------------------------------------------------------------------
     async def check_hung(self, timeout: float) -> None:
-        """If the actor has spent longer than ``timeout`` in one call, take its stack, record the
+        """If the actor has spent longer than ``timeout`` in one call, or has not answered the
+        question for that long (its process is stopped or frozen), take its stack, record the
         :class:`WorkerTimeoutError` in :attr:`hung` and kill it."""
+        patience = max(timeout, 1.0)
         try:
-            with anyio.fail_after(max(timeout, 1.0)):
+            with anyio.fail_after(patience):
                 stuck = await await_ref(self.actor.stuck.options(concurrency_group="control").remote(timeout))
-        except Exception:  # noqa: BLE001 - dead (the evaluation's call says so), or too slow to answer
+        except TimeoutError:
+            stuck = (UNRESPONSIVE, 0, patience)
+        except Exception:  # noqa: BLE001 - dead (the evaluation's call says so)
             return
         if stuck is None:
             return
         what, env, seconds = stuck
+        state = local_state(self.pid, self.node)
         stack = ""
-        with anyio.move_on_after(1.0):
-            try:
-                stack = await await_ref(self.actor.stack.options(concurrency_group="control").remote())
-            except Exception:  # noqa: BLE001
-                pass
-        doing = describe(what, env)
+        if what != UNRESPONSIVE and state not in STOPPED:
+            with anyio.move_on_after(1.0):
+                try:
+                    stack = await await_ref(self.actor.stack.options(concurrency_group="control").remote())
+                except Exception:  # noqa: BLE001
+                    pass
         if self.dead is None:
+            fix = "pass on_worker_failure='restart' to run the evaluation again on a new worker"
             self.hung = WorkerTimeoutError(
-                f"{self.name} is hung: {doing} has not returned after {seconds:.1f} s (step_timeout={timeout:g}). "
-                f"It was killed. Its stack when it was declared hung:\n{stack.rstrip() or '(not available)'}"
-                f"\n\nRaise step_timeout if such calls can legitimately take this long, or pass "
-                f"on_worker_failure='restart' to run the evaluation again on a new worker",
+                hang_message(self.name, what, env, seconds, timeout, stack, state, fix),
                 worker=None,
-                env=env if what != POLICY else None,
-                doing=doing,
+                env=env_of(what, env),
+                doing=describe(what, env),
             )
             import_ray().kill(self.actor, no_restart=True)
+            kill_stopped(self.pid, state)
 
     def stop_nowait(self) -> None:
         """Kill the actor now (the event loop is going away)."""

@@ -24,7 +24,17 @@ class AsyncResource:
         raise NotImplementedError
 
     async def __aenter__(self) -> Any:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # cancelled (or failed) on entry: nobody will call __aexit__, so close here; what it
+            # started is gone before the entry's own error (or cancellation) is raised
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.aclose()
+                except Exception:  # noqa: BLE001 - the entry's own error (or cancellation) wins
+                    pass
+            raise
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -56,20 +66,42 @@ async def wait_shielded(event: Any) -> None:
         raise pending
 
 
-async def in_own_thread(fn: Callable[[], T], name: str) -> T:
+async def in_own_thread(
+    fn: Callable[[], T], name: str, *, give_up_after: float | None = None, discard: Callable[[T], Any] | None = None
+) -> T:
     """Run ``fn()`` in a thread of its own that ends with it, while the event loop keeps running;
     its result is returned, its exception raised here. (Not anyio's thread pool: its idle thread
-    would outlive the collector by seconds.)"""
+    would outlive the collector by seconds.)
+
+    A thread cannot be interrupted: a cancelled caller waits for ``fn`` to return, or with
+    ``give_up_after`` that many seconds more, then raises the cancellation and leaves ``fn`` to
+    finish in its (daemon) thread; what ``fn`` returns is nobody's then: ``discard(result)`` is
+    called on it (here, or in that thread when it returns)."""
     done = anyio.Event()
     token = anyio.lowlevel.current_token()
     failure: list[BaseException] = []
     result: list[T] = []
+    lock = threading.Lock()
+    abandoned = False
 
     def target() -> None:
         try:
-            result.append(fn())
+            got: list[T] = [fn()]
         except BaseException as exc:  # noqa: BLE001 - raised in the loop below
-            failure.append(exc)
+            got, error = [], exc
+        with lock:
+            left = abandoned
+            if not left:
+                result.extend(got)
+                if not got:
+                    failure.append(error)
+        if left:  # the caller is gone
+            if got and discard is not None:
+                try:
+                    discard(got[0])
+                except Exception:  # noqa: BLE001 - nobody to report it to
+                    pass
+            return
         try:
             anyio.from_thread.run_sync(done.set, token=token)
         except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
@@ -77,8 +109,24 @@ async def in_own_thread(fn: Callable[[], T], name: str) -> T:
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
-        await done.wait()
+    if give_up_after is None:
+        with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
+            await done.wait()
+    else:
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            with anyio.move_on_after(give_up_after, shield=True):
+                await done.wait()
+            with lock:
+                abandoned = not (result or failure)
+            if not abandoned:  # it returned meanwhile: the thread ends once it has told us
+                with anyio.CancelScope(shield=True):
+                    await done.wait()
+                thread.join()
+                if result and discard is not None:
+                    discard(result[0])
+            raise
     thread.join()
     if failure:
         raise failure[0]

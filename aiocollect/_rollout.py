@@ -19,7 +19,7 @@ from ._checks import ActionBounds, ActionGuard, check_reward, check_value, first
 from ._envs import add_envs, close_envs, create_env, make_env  # noqa: F401 - re-exported (_vector)
 from ._errors import SpecError
 from ._heartbeat import POLICY, RESET, STEP
-from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves
+from ._layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from ._policy import EnvActions, PolicySpec, RandomRunner, build_runner
 from ._wire import BatchInfo, Episodes
 
@@ -49,6 +49,7 @@ class RolloutConfig:
     worker_groups: int = 1  # server inference: groups of envs that alternate (see _groups)
     ahead: bool = False  # server inference: ask for the next step's actions as soon as its obs are final
     cpus: tuple[int, ...] | None = None  # worker_cpus: the CPUs this worker runs on (None: the kernel's choice)
+    one_hot_actions: bool = False  # categorical_action_encoding=False: a Discrete action stored one-hot
 
 
 def derived_seed(seed: int, env: int, restart: int) -> int:
@@ -63,6 +64,25 @@ def write_traj_ids(traj_buf: np.ndarray, ends: np.ndarray, first_traj: np.ndarra
     np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
     traj_buf[:, 1:] *= total_envs
     traj_buf[:, 1:] += first_traj[:, None]
+
+
+def write_step_counts(views: dict[Key, np.ndarray], ends: np.ndarray, start_len: np.ndarray) -> None:
+    """``max_frames_per_traj``: fill ``step_count`` and ``("next", "step_count")`` (``[E, T, 1]``,
+    as TorchRL's ``StepCounter``: the frames of the trajectory before the step, and after it) from
+    each row's trajectory length at the batch's start (``start_len``) and its episode ends
+    (``[E, T]``). Nothing to do where the layout has no step counts."""
+    step_buf = views.get(("step_count",))
+    if step_buf is None:
+        return
+    E, T = ends.shape
+    steps = np.arange(T, dtype=np.int64)
+    # per frame: the batch step at which its trajectory started (-start_len: before the batch)
+    start = np.empty((E, T), np.int64)
+    start[:, 0] = -np.asarray(start_len, dtype=np.int64)
+    start[:, 1:] = np.where(ends[:, :-1], steps[1:], start[:, :1])
+    np.maximum.accumulate(start, axis=1, out=start)
+    step_buf[..., 0] = steps - start
+    views[("next", "step_count")][..., 0] = step_buf[..., 0] + 1
 
 
 class Rollout:
@@ -85,10 +105,10 @@ class Rollout:
         cfg = self.cfg
         E = cfg.envs_per_worker
         self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
-        self.act_leaves: list[Leaf] = action_leaves(self.act_space)
+        self.act_leaves: list[Leaf] = action_leaves(self.act_space, cfg.one_hot_actions)
         self.obs_spaces = leaf_spaces(self.obs_space)
         self.flatten_obs = flattener(self.obs_space, "observation")
-        self.single_obs = len(self.obs_leaves) == 1
+        self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
         self.obs_dtype0 = self.obs_leaves[0].np_dtype
         self.env_ids = [cfg.worker * E + i for i in range(E)]
         # float leaves to scan for NaN/inf after each step (integers cannot hold them)
@@ -279,6 +299,7 @@ class Rollout:
         for buf, carried in zip(obs_bufs, self.cur_obs):
             buf[:, 0] = carried
         first_traj = self.cur_traj.copy()
+        first_len = np.asarray(self.ep_len, dtype=np.int64)  # (step counts: frames of each trajectory so far)
         # per-step scalars go to Python lists, written to the slot once per batch (vectorized)
         rew_rows: list[list[float]] = []
         term_rows: list[list[bool]] = []
@@ -373,7 +394,9 @@ class Rollout:
         rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
         term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T
         trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
-        write_traj_ids(traj_buf, term_buf[..., 0] | trunc_buf[..., 0], first_traj, cfg.total_envs)
+        ends = term_buf[..., 0] | trunc_buf[..., 0]
+        write_traj_ids(traj_buf, ends, first_traj, cfg.total_envs)
+        write_step_counts(views, ends, first_len)
         self.batches += 1
         self.episodes = Episodes.from_rows(episodes)
 

@@ -224,10 +224,11 @@ class Run:
         self.check_loop()
         self.closing = True
         self.stop.set()
-        if self.launching is not None and self.config.backend_name == "ray":
-            # Ray actors still starting may wait for ever (for resources the cluster lacks): end
-            # the start-up (its actors are killed). Worker processes start in bounded time and
-            # their start-up is waited for (it is not cancel-safe between fork and handshake).
+        if self.launching is not None:
+            # a start-up in progress may never end (an env factory waiting for a licence server,
+            # Ray actors for resources the cluster lacks): end it. Workers still starting get
+            # shutdown_timeout seconds, then are killed (every process forked, its hello read or
+            # not); the local backend's factories are left to finish in their thread
             self.launching.cancel()
         try:
             await wait_shielded(self.done)  # even under task.cancel(): the workers are gone first
@@ -461,9 +462,11 @@ class Run:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
                     with anyio.CancelScope() as self.launching:  # (aclose() cancels a start-up in progress)
+                        if self.closing:  # closed before this task ran: nothing to start
+                            self.launching.cancel()
                         async with anyio.create_task_group() as starting:
                             if "tensordict" not in sys.modules:
-                                starting.start_soon(import_in_thread, "tensordict")
+                                starting.start_soon(import_in_thread, "tensordict", self.config.shutdown_timeout)
                             await launch_workers(self)
                     self.launching = None
                     if not self.closing:  # (else closed while starting: nothing more to start)

@@ -13,8 +13,9 @@ the loop's selector. In a thread the loop only shares the GIL with it, between k
 **Weights.** The policy is the user's object, not a copy: the server's forward passes see the
 weights as they are. :meth:`InferenceServer.update` is what ``update_weights`` does here:
 weights given as another module or a state dict are loaded into the policy under the server's
-lock (no forward pass sees them half-loaded), and the version goes up; every frame carries the
-version of the forward pass that chose its action. Changing the policy's weights in place
+lock (no forward pass sees them half-loaded), and the version goes up in the same hold of it;
+every frame carries the version of the forward pass that chose its action, read under that lock,
+so it always names the weights that computed the action. Changing the policy's weights in place
 elsewhere (an optimizer's ``step()``) is not guarded: a forward pass may run during it.
 """
 
@@ -388,6 +389,7 @@ class InferenceServer:
         id's part of it) first, all of them or none. Used from the next forward pass on."""
         loads = [(model_id, weights) for model_id, weights in updates.items()
                  if weights is not None and weights is not self.policy]
+        matched: dict[str, Any] = {}
         if loads:
             import torch
 
@@ -398,16 +400,22 @@ class InferenceServer:
             module = fn if isinstance(fn, torch.nn.Module) else self.policy
             own = dict(module.state_dict(keep_vars=True))
             layout = WeightLayout.of(own)
-            matched = {}
             for model_id, weights in loads:  # (every part checked before anything is loaded)
                 argument = updates.argument(model_id) if hasattr(updates, "argument") else "policy_or_weights"
                 matched.update(match_state(state_of(weights, argument), layout, model_id, argument=argument))
-            with self.lock, torch.no_grad(), self._on_stream():
-                for name, value in matched.items():
-                    own[name].copy_(value)
+        # the weights and their version change in one hold of the lock, under which a forward pass
+        # reads the version: a pass sees both old or both new, never new weights with the old version
         with self.lock:
+            if matched:
+                import torch
+
+                with torch.no_grad(), self._on_stream():
+                    for name, value in matched.items():
+                        own[name].copy_(value)
+                if self.cuda:  # what the caller queues next (training on the weights given) waits for the copies
+                    torch.cuda.default_stream(self.device).wait_stream(self.stream)
             self.version += 1
-        return self.version
+            return self.version
 
     # -- the end --------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import _shm
+from . import _heartbeat, _shm
 from ._errors import AiocollectError, SpecError
 from ._launcher import get_launcher
 from ._layout import SlotLayout, frame_leaves
@@ -27,11 +27,12 @@ if TYPE_CHECKING:
     from ._run import Run
 
 
-async def import_in_thread(module: str) -> None:
+async def import_in_thread(module: str, give_up_after: float | None = None) -> None:
     """Import ``module`` in a thread of its own that ends with the import, while the event loop
     keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
-    start; torch's import code still holds the GIL for up to ~0.1 s at times."""
-    await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}")
+    start; torch's import code still holds the GIL for up to ~0.1 s at times. Cancelled, it
+    waits ``give_up_after`` seconds more for the import, then leaves it to finish in its thread."""
+    await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}", give_up_after=give_up_after)
 
 
 def _free_unlent_slots(run: "Run") -> None:
@@ -83,15 +84,24 @@ async def launch_workers(run: "Run") -> None:
     c = run.config
     if c.num_workers == 0:
         factory = c.factory_for(0)
-        if c.policy is None and factory is None:
-            spec, policy = PolicySpec("random", exploration_type=c.exploration_type), None
-        else:
-            # a replica, as in a worker: the caller's module may change under training (the
-            # local rollout yields to the loop mid-batch), weights change only by update_weights
-            policy = copy.deepcopy(c.policy) if c.policy is not None else factory()  # type: ignore[misc]
-            spec = PolicySpec("local", exploration_type=c.exploration_type)
+        local_policy = c.policy is not None or factory is not None
+        spec = PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type)
         run.configs = rollout_configs(run, [spec])
-        local = LocalWorker(run.configs[0], policy)
+
+        # a replica, as in a worker: the caller's module may change under training (the local
+        # rollout yields to the loop mid-batch), weights change only by update_weights (copied
+        # here, in the loop: never while the caller's task changes it)
+        replica = copy.deepcopy(c.policy) if c.policy is not None else None
+
+        def build() -> LocalWorker:
+            policy = replica if replica is not None or factory is None else factory()
+            return LocalWorker(run.configs[0], policy)
+
+        # the factories run in a thread, so that cancelling the start-up is not held up by one
+        # that never returns: after shutdown_timeout it is left to finish there (a thread cannot
+        # be killed), and what it builds is closed then
+        local = await in_own_thread(build, "aiocollect local start-up", give_up_after=c.shutdown_timeout,
+                                    discard=LocalWorker.stop_nowait)
         run.workers = [local]
         specs = [local.rollout.spec()]
     else:
@@ -107,7 +117,7 @@ async def launch_workers(run: "Run") -> None:
             run.workers = list(actors)
         else:
             needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
-            workers, specs = await start_process_workers(run.configs, needs, get_launcher())
+            workers, specs = await start_process_workers(run.configs, needs, get_launcher(), c.shutdown_timeout)
             run.workers = list(workers)
     run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
     batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
@@ -120,9 +130,11 @@ async def launch_workers(run: "Run") -> None:
     extras = specs[0]["extras"]
     if c.inference == "server":
         extras = await start_server(run, specs[0])
-    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras)
+    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras, step_count=c.max_frames_per_traj is not None)
     T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
     run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
+    # the real bytes per frame are known now: refuse a run whose slots cannot fit, before any is filled
+    c.check_slot_memory(run.layout, len(run.workers) * _heartbeat.NBYTES)
     store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
     if c.num_workers == 0:
         run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
@@ -214,6 +226,7 @@ def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutC
             action_bounds=c.action_bounds,
             worker_groups=c.worker_groups,
             cpus=c.cpus_for(i),
+            one_hot_actions=not c.categorical_action_encoding,
         )
         for i in range(c.workers)
     ]

@@ -5,7 +5,8 @@ when the worker fails, emits :class:`~aiocollect.events.WorkerFailed`, then eith
 (``on_worker_failure="restart"``, within the :class:`RestartBudget`) and emits
 :class:`~aiocollect.events.WorkerRestarted`, or hands the error to the producer, which raises it
 after the batches the worker completed before. :func:`watchdog` declares hung the workers that
-spend longer than ``step_timeout`` in one call.
+spend longer than ``step_timeout`` in one call, are stopped (``SIGSTOP``, a debugger) or make no
+progress the collector can see while it waits on them.
 """
 
 from __future__ import annotations
@@ -95,8 +96,11 @@ def replacement_config(run: "Run", w: "WorkerHandle") -> RolloutConfig:
 
 
 async def watchdog(run: "Run", timeout: float) -> None:
-    """Declare hung the workers that spend longer than ``timeout`` seconds in one call (checked
-    four times per timeout, at most every second)."""
+    """Declare hung the workers that spend longer than ``timeout`` seconds in one call, that are
+    stopped for that long, or that were granted work and show no progress for that long (checked
+    four times per timeout, at most every second): see :meth:`WorkerHandle.stuck
+    <aiocollect._workers.WorkerHandle.stuck>`. A worker idle because it was granted no work
+    (backpressure, a paused collector) is never hung."""
     period = min(max(timeout / 4, 0.01), 1.0)
     while True:
         await anyio.sleep(period)

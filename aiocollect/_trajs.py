@@ -50,6 +50,9 @@ class TrajectoryAccumulator:
                     joined: Any = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0].clone()
                     self.complete.append(joined)
                 else:
+                    # a copy: the batch may be lent (its slot goes back to the worker once it is
+                    # dropped) or a zero_copy view, while an episode may outlast many rounds
+                    pieces[-1] = pieces[-1].clone()
                     self.pending[env] = (traj_id, pieces)
         out: list[TensorDictBase] = []
         while len(self.complete) >= self.num_trajs:

@@ -50,7 +50,7 @@ from ._checks import ActionGuard, check_value, first_nonfinite, short
 from ._errors import ConfigError, SpecError
 from ._heartbeat import POLICY, RESET, STEP
 from ._limits import check_seed
-from ._layout import Key, Leaf, action_leaves, flattener, leaf_spaces, observation_leaves, unflattener
+from ._layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves, unflattener
 from ._registry import install as install_registry
 from ._vecenv import _SAME, VecEnv, is_vector
 from ._wire import NO_EPISODES, Episodes
@@ -63,6 +63,7 @@ from ._rollout import (
     create_env,
     derived_seed,
     make_env,
+    write_step_counts,
     write_traj_ids,
 )
 
@@ -239,14 +240,20 @@ class VectorRollout(Rollout):
         self.obs_space, self.act_space = self.vecs[0].obs_space, self.vecs[0].act_space
         self.mode = self.vecs[0].mode
         self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
+        if cfg.one_hot_actions:
+            raise ConfigError(
+                "categorical_action_encoding=False (one-hot Discrete actions) is for single envs, and this worker's "
+                "env is a vector env; drop the option (actions are stored as indices), or make single envs"
+            )
         self.act_leaves: list[Leaf] = action_leaves(self.act_space)
         self.obs_spaces = leaf_spaces(self.obs_space)
         self.flatten_obs = flattener(self.obs_space, "observation")
-        self.single_obs = len(self.obs_leaves) == 1
+        self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
         self.obs_dtype0 = self.obs_leaves[0].np_dtype
         # the same leaves with the sub-envs' dimension in front: what one step of a copy returns
         self.batched_leaves = [Leaf(leaf.key, (n,) + leaf.shape, leaf.dtype) for leaf in self.obs_leaves]
         self.unflatten_act = unflattener(self.act_space)
+        self.bare_act = is_bare(self.act_space)
         self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)  # type: ignore[assignment]  # (an array here)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.steps = 0
@@ -354,7 +361,7 @@ class VectorRollout(Rollout):
     # -- stepping -------------------------------------------------------------------------------------
     def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
         rows = slice(c * self.n, (c + 1) * self.n)
-        if len(arrays) == 1:
+        if self.bare_act:
             return arrays[0][rows] if len(self.vecs) > 1 else arrays[0]
         return self.unflatten_act([a[rows] for a in arrays])
 
@@ -499,6 +506,7 @@ class VectorRollout(Rollout):
         views[("next", "truncated")][..., 0] = stage.trunc.T
         views[("collector", "policy_version")][...] = versions
         write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
+        write_step_counts(views, stage.done.T, first_step - first_start)
         self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
         self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)
         self.batches += 1

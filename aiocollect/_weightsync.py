@@ -4,9 +4,11 @@ passes to ``update_weights`` into the tensors of each worker's policy."""
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import time
+import weakref
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import anyio
@@ -16,6 +18,7 @@ from . import events as ev
 from ._errors import AiocollectError, BrokenWorkerError, ConfigError
 
 _KEEP = 1024  # publication times kept for the latency of WeightsApplied
+log = logging.getLogger("aiocollect")
 
 
 class Updates(dict):
@@ -68,6 +71,170 @@ def check_worker_ids(worker_ids: Any, n: int) -> list[int]:
     return sorted(set(ids))  # type: ignore[arg-type]
 
 
+STALE_POLICY = (
+    "aiocollect: the collector's policy (the `policy` given to Collector) was changed in place (trained) "
+    "after the workers were given weight version %d, and another batch was handed out since without an update: the "
+    "workers hold their own copy of the policy and keep collecting with version %d. Publish the weights after "
+    "each training step: `await collector.update_weights(policy)` (blocking code: "
+    "`collector.update_policy_weights_()`), or pass update_at_each_batch=True; for on-policy training (PPO) "
+    "also pass prefetch=0, so that each batch is collected with the newest weights. (Said once per collector; "
+    "if you publish every few batches on purpose, this is expected.)"
+)
+
+
+class InPlaceWatch:
+    """Watches the constructor's ``policy`` (a module, in this process) for changes made in place
+    that were never published. TorchRL's in-process collector steps the user's module itself, so
+    ported scripts train it in place and never publish; here each worker has its own replica, so
+    such a script would collect with the first weights for ever, silently.
+
+    Cheap enough for every batch handed out: it reads each tensor's version counter
+    (``tensor._version``, bumped by every in-place operation on it or a view: optimizer steps,
+    ``copy_``, ``load_state_dict``) and whether a parameter got a new gradient (a backward pass
+    through it: optimizers with ``fused=True`` change parameters without bumping the counter).
+    Changes through ``.data`` are not seen. :meth:`mark` takes the reference (at start and at
+    each publish); :meth:`handed_out` warns once, on the ``aiocollect`` logger, when the policy
+    changed since the last publish and a whole batch interval went by without one (the order
+    ``publish, train, next batch`` is fine)."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.tensors: list[Any] = []  # what update_weights publishes: parameters and persistent buffers
+        self.params: list[Any] = []  # for their gradients
+        self.versions: list[int] = []
+        self.grads: list[Any] = []  # per parameter: None, or (weakref to its gradient, the gradient's version)
+        self.version = 0  # the weight version published at the last mark
+        self.since = 0  # batches handed out since the last mark
+        self.active = False
+        self.warned = False
+
+    def mark(self, version: int) -> None:
+        """The workers get (or got) the policy's weights as they are now. Walks the module (its
+        tensors may have been replaced since: ``policy.to(...)`` makes new buffers)."""
+        try:
+            params: list[Any] = []
+            buffers: list[Any] = []
+            for module in self.policy.modules():  # (what its state dict holds: parameters, persistent buffers)
+                params.extend(p for p in module._parameters.values() if p is not None)
+                skip = module._non_persistent_buffers_set
+                buffers.extend(b for name, b in module._buffers.items() if b is not None and name not in skip)
+            # (inference-mode tensors have no version counter, and cannot be changed in place outside it)
+            self.tensors = [t for t in params + buffers if not t.is_inference()]
+            self.params = [p for p in params if p.requires_grad]
+            self.versions = [t._version for t in self.tensors]
+            self.grads = [None if (g := p.grad) is None else (weakref.ref(g), g._version) for p in self.params]
+        except Exception:  # noqa: BLE001 - an odd module (lazy parameters ...): the watch is advice, never an error
+            self.active = False
+            return
+        self.version, self.since, self.active = version, 0, True
+
+    def changed(self) -> bool:
+        """The policy changed in place (or got new gradients) since :meth:`mark`."""
+        if [t._version for t in self.tensors] != self.versions:
+            return True
+        for p, was in zip(self.params, self.grads):
+            g = p.grad
+            if was is None:
+                if g is not None:
+                    return True
+            elif was[0]() is not g or g._version != was[1]:
+                return True
+        return False
+
+    def handed_out(self) -> None:
+        """A batch was handed to the consumer."""
+        if not self.active or self.warned:
+            return
+        try:
+            changed = bool(self.since) and self.changed()
+        except Exception:  # noqa: BLE001 - (as in mark)
+            self.active = False
+            return
+        if changed:
+            self.warned = True
+            self.active = False  # (said once: nothing more to check)
+            log.warning(STALE_POLICY, self.version, self.version)
+        self.since += 1
+
+
+def watch_for(config: Any) -> InPlaceWatch | None:
+    """A watch over the constructor's policy where the workers run a replica that only
+    ``update_weights`` changes; ``None`` where in-place changes reach the collection anyway
+    (``inference="server"`` runs the module itself) or are published before each batch
+    (``update_at_each_batch``), or where there is no module to watch."""
+    import sys
+
+    nn = sys.modules.get("torch.nn")
+    policy = getattr(config, "policy", None)
+    if nn is None or not isinstance(policy, nn.Module):
+        return None
+    if config.inference == "server" or config.update_at_each_batch:
+        return None
+    return InPlaceWatch(policy)
+
+
+def torchrl_arguments(
+    policy_or_weights: Any, *, weights: Any, policy: Any, worker_ids: Any, model_id: Any, weights_dict: Any,
+    wait: Any, **kwargs: Any,
+) -> dict[str, Any]:
+    """The ``update_weights`` keywords for a call of ``update_policy_weights_`` with TorchRL
+    0.14.1's names (``policy_or_weights``, ``weights=``, ``policy=``, its deprecated
+    ``policy_weights=``, ``worker_ids=``, ``model_id=``, ``weights_dict=``); :class:`ConfigError`
+    for what has no meaning here (devices as worker ids, ``{worker index: weights}``, two ways
+    of passing the weights), :class:`ConfigTypeError` for an unknown keyword."""
+    from ._errors import ConfigTypeError
+
+    legacy = kwargs.pop("policy_weights", None)
+    if kwargs:
+        name = next(iter(kwargs))
+        raise ConfigTypeError(
+            f"update_policy_weights_() got the keyword {name}={kwargs[name]!r:.60}, which it does not take: it takes "
+            f"TorchRL's policy_or_weights, weights=, policy=, worker_ids=, model_id= and weights_dict= (and wait=), "
+            f"with the meanings of update_weights()"
+        )
+    given = {name: value for name, value in (
+        ("policy_or_weights", policy_or_weights), ("weights", weights), ("policy", policy), ("policy_weights", legacy),
+    ) if value is not None}
+    if len(given) > 1:
+        first, second = list(given)[:2]
+        raise ConfigError(
+            f"update_policy_weights_() got both {first}= and {second}=: they are the same argument (the weights, or "
+            f"the module that has them); pass one"
+        )
+    source = next(iter(given.values()), None)
+    if isinstance(source, Mapping) and source and all(_index(k) is not None for k in source):
+        raise ConfigError(
+            f"update_policy_weights_() got {{worker index: weights}} (keys {list(source)[:4]}): per-worker weights "
+            f"are published one worker at a time here; call update_policy_weights_(weights, worker_ids=[index]) for "
+            f"each (or `await collector.update_weights(weights, worker_ids=[index])`)"
+        )
+    if _is_device(worker_ids) or (
+        isinstance(worker_ids, (list, tuple)) and worker_ids and all(_is_device(w) for w in worker_ids)
+    ):
+        raise ConfigError(
+            f"worker_ids={worker_ids!r:.80}: TorchRL's collectors may name workers by device; here workers are named "
+            f"by index (0..num_workers-1); pass None (all of them), an index or a list of indices"
+        )
+    out: dict[str, Any] = {"policy_or_weights": source, "worker_ids": worker_ids, "wait": wait}
+    if weights_dict is not None:
+        if model_id is not None:
+            raise ConfigError(
+                f"update_policy_weights_() got both model_id={model_id!r} and weights_dict: weights_dict names its "
+                f"models in its keys; pass one of them"
+            )
+        out["weights_dict"] = weights_dict
+    elif model_id is not None:
+        out["model_id"] = model_id
+    return out
+
+
+def _is_device(obj: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.device)
+
+
 class WeightSync:
     """Owned by a collector for one run of its workers (made anew by each launch)."""
 
@@ -84,6 +251,7 @@ class WeightSync:
         self.published_at: dict[int, float] = {}
         self._changed = anyio.Event()  # set (and replaced) at each acknowledgement
         self._fds: list[int] = []  # the stores' memfds: kept for workers that replace failed ones
+        self.watch: InPlaceWatch | None = None  # the constructor's policy, watched for unpublished training
 
     def setup(self, layouts: list[Any], workers: list[Any]) -> dict[int, tuple[int, ...]]:
         """Workers' policy layouts known: make the shared store if they all have the same one.
@@ -91,6 +259,8 @@ class WeightSync:
         self.layouts = list(layouts)
         self.workers = {w.index: w for w in workers}
         self.acked = [0] * len(workers)
+        if self.watch is not None:
+            self.watch.mark(self.version)  # the workers were given the policy as it is now
         first = self.layouts[0]
         if first is not None and all(w == first for w in self.layouts):
             self.store = self._new_store(first, "weights")
@@ -116,6 +286,8 @@ class WeightSync:
         """A new version that no worker will apply (the workers are done): returned so that
         the caller's version numbers go on counting."""
         self.version += 1
+        if self.watch is not None:
+            self.watch.mark(self.version)  # (published, as far as the caller can tell: batches still buffered follow)
         return self.version
 
     # -- checks ---------------------------------------------------------------------------------
@@ -209,6 +381,8 @@ class WeightSync:
             if not shared:
                 store = await self._worker_store(store)
             store.publish(state, version)
+        if self.watch is not None:
+            self.watch.mark(version)
         for w in targets:
             try:
                 await self.workers[w].nudge()

@@ -136,6 +136,7 @@ class ProcessWorker(WorkerHandle):
         self.watch = False
         self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
         self.hung: BaseException | None = None  # set by the watchdog before it kills the process
+        self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
         self.own_store: Any = None
 
     @property
@@ -221,9 +222,16 @@ class ProcessWorker(WorkerHandle):
 
     # -- hangs ----------------------------------------------------------------------------------
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
-        if self.proc is None or self.monitor is None or self.hung is not None:
+        """Busy with one call for too long (its heartbeat), or, from what the collector sees
+        alone, stopped, or idle with work granted (credits and a free slot) and no progress."""
+        proc, monitor = self.proc, self.monitor
+        if proc is None or monitor is None or self.hung is not None:
             return None
-        return self.monitor.stuck(timeout)
+        found = monitor.stuck(timeout)
+        if found is None:
+            owed = self.credits_sent > self.completed and bool(self.free_slots())
+            found = self.progress.check(proc.pid, timeout, True if owed else None, proc.received, monitor)
+        return found
 
     async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
         """The worker has been in one call for ``seconds``: take its stack, kill it; its
@@ -252,6 +260,7 @@ class ProcessWorker(WorkerHandle):
                 )
             assert self.monitor is not None
             self.monitor.reset()
+            self.progress.reset()
             self.proc = proc
             self.credits_sent = self.completed
             await self.give_slots(self.free_slots())  # (slots released meanwhile are free now)
@@ -290,9 +299,13 @@ class ProcessWorker(WorkerHandle):
 
 
 async def start_process_workers(
-    configs: list[RolloutConfig], needs: tuple[str, ...], launcher: Any
+    configs: list[RolloutConfig], needs: tuple[str, ...], launcher: Any, shutdown_timeout: float = 0.0
 ) -> tuple[list[ProcessWorker], list[dict]]:
-    """Fork a worker per config, send each its config, return the workers and their specs."""
+    """Fork a worker per config, send each its config, return the workers and their specs.
+
+    Cancelled, or when a worker fails to start, every worker forked is gone before this raises:
+    each gets ``shutdown_timeout`` seconds to finish building its envs and close them, then is
+    killed (those whose hello was not read yet are waited for too)."""
     workers: list[ProcessWorker] = []
     try:
         for i in range(len(configs)):
@@ -309,8 +322,9 @@ async def start_process_workers(
         return workers, [w.spec for w in workers]  # type: ignore[misc]
     except BaseException:
         with anyio.CancelScope(shield=True):
-            for w in workers:
-                await w.stop(0)
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(w.stop, shutdown_timeout)
         raise
 
 

@@ -100,6 +100,18 @@ class Meter:
         return Result(name, self.frames / elapsed, self.frames, elapsed, startup, cpu=cpu_usage(self.cpu0, self.cpu1))
 
 
+async def next_batch(batches: Any, patience: float) -> Any:
+    """The next batch of the collector ``batches``, or None when none came within ``patience``
+    seconds: a setup that starves (the idle server thread on a machine whose cores are busy) ends
+    with what it had instead of holding the benchmark forever. (``collect()`` may be cancelled and
+    called again: nothing is lost.)"""
+    import anyio
+
+    with anyio.move_on_after(patience):
+        return await anext(batches)
+    return None
+
+
 def percentiles_ms(samples: list[float], pcts: tuple[int, ...] = (50, 99), mean: bool = False) -> dict[str, float]:
     """The percentiles ``pcts``, max (and mean) of durations given in seconds, in ms, with the
     sample count ``n``."""

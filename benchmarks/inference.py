@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from _util import ArgmaxMLP, log, machine, machine_line, percentiles_ms, reap, sigterm_as_interrupt
+from _util import ArgmaxMLP, log, machine, machine_line, next_batch, percentiles_ms, reap, sigterm_as_interrupt
 
 
 class NatureCNN(nn.Module):
@@ -158,10 +158,13 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
                          envs_per_worker=envs, inference=inference, seed=0, policy_device=device,
                          worker_groups=groups, server_priority=priority, **_options(setup)) as c:
         it = aiter(c)
-        await anext(it)  # started, and warm
-        t_end = time.perf_counter() + args.warmup
-        while time.perf_counter() < t_end:
-            await anext(it)
+        t_end = time.perf_counter() + args.warmup  # (after the first batch: started, and warm)
+        started = False
+        while not started or time.perf_counter() < t_end:
+            started = True
+            if await next_batch(it, args.patience) is None:
+                log(f"  {setup}: no batch within {args.patience:g} s (--patience): starved, counted as 0 frames/s")
+                break
         measuring = True
 
         async def ticker() -> None:
@@ -178,7 +181,8 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
                 tg.start_soon(ticker)
                 t0 = time.perf_counter()
                 while time.perf_counter() - t0 < args.seconds:
-                    batch = await anext(it)
+                    if (batch := await next_batch(it, args.patience)) is None:
+                        break
                     frames += batch.numel()
                     if device is not None:
                         gpu.append(_gpu_utilisation())
@@ -230,7 +234,7 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
     for inference, runs in results.items():
         fps = statistics.median(r["fps"] for r in runs)
         lag = {k: statistics.median(r["lag_ms"][k] for r in runs) for k in ("p50", "p99", "max")}
-        row = {"fps": fps, "ratio": fps / base, "lag_ms": lag, "runs_fps": [r["fps"] for r in runs]}
+        row = {"fps": fps, "ratio": fps / base if base else float("nan"), "lag_ms": lag, "runs_fps": [r["fps"] for r in runs]}
         if inference != "worker":
             row["passes_per_s"] = statistics.median(r["passes_per_s"] for r in runs)
             row["rows_per_pass"] = statistics.median(r["rows_per_pass"] for r in runs)
@@ -341,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pong-steps", type=int, default=16, help="Pong steps of each env per batch (default 16)")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup and round (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (default 1 s)")
+    p.add_argument("--patience", type=float, default=60.0,
+                   help="the longest wait for one batch before a setup counts as starved (default 60 s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians over them (default 3)")
     p.add_argument("--skip-pong", action="store_true", help="CartPole only")
     p.add_argument("--serve-in-loop", action="store_true",

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _util import ArgmaxMLP, log, machine, machine_line, percentiles_ms, reap, sigterm_as_interrupt
+from _util import ArgmaxMLP, log, machine, machine_line, next_batch, percentiles_ms, reap, sigterm_as_interrupt
 
 #: name: (inference, server_priority, the workers kept off this process's first CPU (worker_cpus))
 SETUPS = {"worker": ("worker", "normal", False), "server": ("server", "normal", False),
@@ -98,7 +98,9 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
         it = aiter(c)
         t_end = time.perf_counter() + 1.0
         while time.perf_counter() < t_end:
-            await anext(it)
+            if await next_batch(it, args.patience) is None:
+                log(f"  {setup}: no batch within {args.patience:g} s (--patience): starved, counted as 0 frames/s")
+                break
         if ready is not None:
             ready()
         frames = 0
@@ -107,7 +109,9 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
                 tg.start_soon(probe.run)
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds:
-                frames += (await anext(it)).numel()
+                if (batch := await next_batch(it, args.patience)) is None:
+                    break
+                frames += batch.numel()
             elapsed = time.perf_counter() - t0
             if probe is not None:
                 probe.running = False
@@ -147,12 +151,15 @@ def other_process(args: argparse.Namespace) -> None:
             where = "its own session" if own_session else "this session"
             log(f"collector in another process ({where}): {setup} ...")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", setup, "--env", args.env,
-                   "--workers", str(args.workers), "--envs", str(args.envs), "--seconds", str(args.seconds + 2)]
+                   "--workers", str(args.workers), "--envs", str(args.envs), "--seconds", str(args.seconds + 2),
+                   "--patience", str(args.patience)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=own_session)
             try:
                 assert proc.stdout is not None
-                if proc.stdout.readline().strip() != "ready":
-                    raise RuntimeError(f"the collector's process did not start ({setup})")
+                while (line := proc.stdout.readline()).strip() != "ready":
+                    if not line:
+                        raise RuntimeError(f"the collector's process did not start ({setup})")
+                    log(line.rstrip())  # (its progress: a setup that starved says so)
                 probe = Probe()
 
                 async def probe_for(seconds: float, probe: Probe = probe) -> None:
@@ -164,7 +171,7 @@ def other_process(args: argparse.Namespace) -> None:
                         probe.running = False
 
                 run_loop(probe_for, args.seconds)
-                fps = float(proc.communicate(timeout=120)[0].split()[-1])
+                fps = float(proc.communicate(timeout=args.seconds + 3 * args.patience + 60)[0].split()[-1])
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -209,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--envs", type=int, default=4, help="envs per worker (default 4)")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup (default 5)")
+    p.add_argument("--patience", type=float, default=60.0,
+                   help="the longest wait for one batch before a setup counts as starved (default 60 s)")
     p.add_argument("--other-process", action="store_true",
                    help="also: the collector in another process, a bare event loop here")
     p.add_argument("--child", choices=tuple(SETUPS), help=argparse.SUPPRESS)

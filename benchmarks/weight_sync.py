@@ -55,6 +55,13 @@ For each of them, with ``--workers`` x ``--envs-per-worker`` envs (default 2 x 8
    worker in turn (``send_bytes``); each worker ``torch.load``\\ s them and calls ``load_state_dict``,
    then replies. Latency = serialization to the last reply, same counts and warm-up. The
    serialization time alone is reported as its sender-side cost.
+4. **The in-place change check** (no collector: this process only), for the two MLPs and DQN's
+   Nature CNN (4x84x84 -> 6 actions, 1.69M parameters): what ``collector.collect()`` does per batch
+   handed out to find a policy trained in place but never published (each parameter's and
+   persistent buffer's version counter and each parameter's gradient read; the gradients exist,
+   as in a training loop), and what taking its reference again costs at each publish; 200 timings
+   of 50 calls each (10 for the reference), per call. Printed beside "publish alone" where that was
+   measured. ``--check-only`` runs this section alone (seconds).
 
 Every weight update changes one parameter value first (outside the timed region), so each version
 really differs from the last. This process runs ``torch.set_num_threads(1)``, as aiocollect's workers
@@ -180,6 +187,65 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Linear]:
     path, layer = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
     assert model.get_submodule(path) is layer
     return f"policy.{path}", layer
+
+
+# --------------------------------------------------------------------------------------------------
+# the in-place change check: what the collector does per batch handed out
+
+
+class NatureCNN(nn.Module):
+    """DQN's Nature CNN (Mnih et al. 2015) on 4 stacked 84x84 frames, 6 actions: 1.69M parameters."""
+
+    def __init__(self, actions: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
+            nn.Linear(512, actions),
+        )
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
+
+
+def _check_model(spec: ModelSpec | None) -> tuple[nn.Module, torch.Tensor]:
+    """The model and an input (``None``: the Nature CNN)."""
+    if spec is None:
+        torch.manual_seed(SEED)
+        return NatureCNN(), torch.zeros(2, 4, 84, 84)
+    return build_model(spec), torch.zeros(2, OBS_DIM)
+
+
+def measure_check(spec: ModelSpec | None, samples: int = 200, per_sample: int = 50) -> dict[str, Any]:
+    """The per-batch cost of the check (``InPlaceWatch.changed()`` on an unchanged policy: every
+    tensor's version counter and every parameter's gradient read, as in a training loop where the
+    gradients exist), and the per-publish cost of taking the reference (``mark``: the state dict
+    walked once). ``samples`` timings of ``per_sample`` calls each; figures per call, in ms."""
+    from aiocollect._weightsync import InPlaceWatch
+
+    model, x = _check_model(spec)
+    model.net(x).sum().backward()  # gradients exist, as after a training step
+    watch = InPlaceWatch(model)
+    watch.mark(0)
+    assert not watch.changed()
+    checks, marks = [], []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(per_sample):
+            watch.changed()
+        checks.append((time.perf_counter() - t0) / per_sample)
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(per_sample // 5 or 1):
+            watch.mark(0)
+        marks.append((time.perf_counter() - t0) / (per_sample // 5 or 1))
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0
+    assert watch.changed(), "an in-place change must be seen"
+    return {
+        "tensors": len(watch.tensors), "params": count_params(model), "bytes": state_nbytes(model),
+        "check_ms": stats_ms(checks), "mark_ms": stats_ms(marks),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -581,6 +647,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker (default 8)")
     p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only the in-place change check (a few seconds: no collector, no worker is started)",
+    )
     args = p.parse_args(argv)
     total = args.workers * args.envs_per_worker
     if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % total:
@@ -687,6 +758,8 @@ def main(args: argparse.Namespace) -> int:
         )
 
     sections = [(spec, kind) for spec in specs for kind in ("idle", "collecting", "naive")]
+    if args.check_only:
+        sections = []
     titles = {
         "idle": "aiocollect, workers idle (prefetch=0, no request pending)",
         "collecting": "aiocollect while collecting (consumer pulls batches back to back, prefetch=2)",
@@ -745,6 +818,13 @@ def main(args: argparse.Namespace) -> int:
     if left:
         leftovers["aiocollect launcher"] = left
 
+    log("[check] the in-place change check (per batch handed out) and its reference (per publish) ...")
+    checks = {spec.key: measure_check(spec) for spec in specs}
+    checks["nature_cnn"] = measure_check(None)
+    if args.check_only:
+        _check_table(specs, checks, results)
+        return _write_json(args, host, models, results, leftovers, checks)
+
     # ---- summary
     log("")
     head = (
@@ -785,9 +865,34 @@ def main(args: argparse.Namespace) -> int:
         part = results[spec.key]["idle"].extra.get("partial")
         if part:
             _partial_table(spec, part)
+    _check_table(specs, checks, results)
     if leftovers:
         log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
+    return _write_json(args, host, models, results, leftovers, checks)
 
+
+def _check_table(specs: list[ModelSpec], checks: dict[str, Any], results: dict[str, dict[str, Series]]) -> None:
+    """The check's cost per batch beside what a publish costs (where measured)."""
+    log("")
+    log("in-place change check: collector.collect() reads the policy's version counters and gradients (a policy")
+    log("trained in place but never published is reported once); its reference is taken again at each publish")
+    log(f"{'model':<16} {'tensors':>7} {'params':>11}  {'check per batch p50/p90':>24}  {'reference per publish':>22}"
+        f"  {'publish alone p50':>17}")  # fmt: skip
+    rows = [(spec.name, spec.key) for spec in specs] + [("Nature CNN", "nature_cnn")]
+    for name, key in rows:
+        c = checks[key]
+        idle = results.get(key, {}).get("idle")
+        publish = _sub(idle, "publish_ms", ("p50",)) if idle is not None else "-"
+        log(f"{name:<16} {c['tensors']:>7} {c['params']:>11,}  {_us_pair(c['check_ms']):>24}  "
+            f"{_us_pair(c['mark_ms']):>22}  {publish:>17}")
+
+
+def _us_pair(d: dict[str, float]) -> str:
+    return f"{d['p50'] * 1e3:.2f} / {d['p90'] * 1e3:.2f} us"
+
+
+def _write_json(args: argparse.Namespace, host: dict, models: dict, results: dict, leftovers: dict,
+                checks: dict) -> int:
     if args.json:
         payload = {
             "benchmark": "weight_sync",
@@ -800,6 +905,7 @@ def main(args: argparse.Namespace) -> int:
             "models": models,
             "results": {key: {kind: asdict(s) for kind, s in r.items()} for key, r in results.items()},
             "leftover_processes": leftovers,
+            "inplace_check": checks,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

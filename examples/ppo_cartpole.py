@@ -279,6 +279,8 @@ async def train(cfg: Config) -> int:
     optimizer = torch.optim.Adam(params, lr=cfg.learning_rate, eps=1e-5)
     num_updates = cfg.total_frames // cfg.frames_per_batch
 
+    # PPO is on-policy: prefetch=0 (with the default delivery="sync") makes every frame of the next
+    # batch come from the weights published by update_weights() after the previous one
     collector = Collector(cfg.env_id, actor, frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
                           num_workers=cfg.num_workers, envs_per_worker=cfg.envs_per_worker,
                           exploration_type="random", prefetch=0, seed=cfg.seed)

@@ -63,28 +63,38 @@ def test_server_load_benchmark_runs_both_modes_to_its_table(tmp_path):
     assert results["collecting"]["collector_fps"] > 0 and results["idle"]["collector_fps"] is None
 
 
-@pytest.mark.timeout(120)
+def warnings_in(out: str) -> list[str]:
+    """The benchmark's warnings, less the idle server's starvation warning: on a machine whose
+    cores are busy (a loaded CI machine) the idle server thread starves, says so, and its setup
+    ends by ``--patience`` with what it had, by design."""
+    return [line for line in out.splitlines() if "WARNING" in line and "server_priority='idle'" not in line]
+
+
+@pytest.mark.timeout(300)
 def test_loop_lag_benchmark_runs_both_parts_to_their_tables():
     """benchmarks/loop_lag.py on CartPole at a tiny scale: the in-process table (four setups) and
-    the other-process table (four rows), and nothing left behind (the script reaps and warns)."""
-    out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", timeout=110)
+    the other-process table (four rows), and nothing left behind (the script reaps and warns).
+    A setup that starves (the idle server on a loaded machine) ends after ``--patience``."""
+    out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", "--patience", "5",
+                     timeout=280)
     assert "The loop that collects (cartpole, 2 workers x 4 envs)" in out
     setups = ("worker", "server", "server, idle") + (("idle, pinned",) if len(os.sched_getaffinity(0)) > 1 else ())
     assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in setups), out
     assert len(re.findall(r"^(worker|server, idle)\s+(this session|its own session)\s+[\d,]+", out, re.M)) == 4, out
-    assert "WARNING" not in out, out
+    assert not warnings_in(out), out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_inference_benchmark_runs_every_cpu_setup_to_its_table():
     """benchmarks/inference.py on CartPole at a tiny scale (one round): every CPU setup (the pinned
     ones where this process may use two CPUs) measured and in the table, nothing left behind."""
-    out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2", timeout=140)
+    out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2",
+                     "--patience", "10", timeout=280)
     setups = ["worker", "server", "server, 2 groups", "server, idle", "idle, 2 groups"]
     setups += ["idle, pinned", "pinned, 2 groups"] if len(os.sched_getaffinity(0)) > 1 else []
     table = out[out.index("CartPole-v1, 4-64-2 MLP"):]
     assert [line.split("  ")[0].strip() for line in table.splitlines()[2:] if line.strip()][:len(setups)] == setups, out
-    assert "Pong: skipped (--skip-pong)" in out and "WARNING" not in out, out
+    assert "Pong: skipped (--skip-pong)" in out and not warnings_in(out), out
 
 
 @pytest.mark.timeout(120)
@@ -92,8 +102,8 @@ def test_inference_benchmark_beside_a_busy_trainer_reports_the_trainers_rate():
     """``--busy-trainer --setups server``: worker inference (the ratios' base, always measured) and
     the server, each with the trainer's products per second, and the trainer alone first."""
     out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2",
-                     "--busy-trainer", "--setups", "server", timeout=110)
+                     "--busy-trainer", "--setups", "server", "--patience", "10", timeout=110)
     assert re.search(r"the busy trainer alone \(nothing collecting\): [\d,]+ products/s", out), out
     rows = re.findall(r"^(worker|server)\s+[\d,]+\s+[\d.]+\s+.*\s([\d,]+)\s+[\d,]+$", out, re.M)
     assert [r[0] for r in rows] == ["worker", "server"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
-    assert "trainer/s" in out and "WARNING" not in out, out
+    assert "trainer/s" in out and not warnings_in(out), out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -231,6 +232,28 @@ async def test_async_delivery_and_trajectories():
             done = batch["next", "done"].squeeze(-1)
             for i, n in enumerate(lengths.tolist()):
                 assert bool(done[i, n - 1]) and not bool(done[i, : n - 1].any())
+
+
+def _sixty_steps():
+    return CountingEnv(episode_length=60)
+
+
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_trajectories_many_rounds_long_are_delivered(delivery):
+    """trajs_per_batch with episodes 20 rounds long (3 frames per env and round): the actors are
+    granted rounds until each delivery is made, to total_frames."""
+    with anyio.fail_after(90):
+        async with Collector(_sixty_steps, None, frames_per_batch=12, total_frames=12 * 42, num_workers=2,
+                             envs_per_worker=2, backend="ray", delivery=delivery, trajs_per_batch=2,
+                             prefetch=0, seed=3) as c:
+            batches = [b async for b in c]
+            seen(c)
+    assert batches
+    for batch in batches:
+        assert batch.batch_size == torch.Size([2, 60]) and bool(batch["collector", "mask"].all())
+        assert torch.equal(batch["observation"][..., 0] % 100, torch.arange(60.0).expand(2, 60))
+    if delivery == "sync":  # every env ended 2 whole episodes
+        assert len(batches) == 2 * 2 * 2 // 2
 
 
 async def test_killed_actor_raises_broken_worker_error():
@@ -619,3 +642,62 @@ def test_zz_no_actor_alive_after_the_module():
         time.sleep(0.1)
     assert _ours_alive() == []
     assert np.ndim(0) == 0
+
+
+# ---- stopped actors (SIGSTOP): found from outside ---------------------------------------------------
+
+
+async def _stop(pid: int) -> None:
+    """SIGSTOP a local actor's process and wait until it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        await anyio.sleep(0.01)
+
+
+async def test_a_stopped_actor_is_found_killed_and_replaced():
+    """An actor frozen with SIGSTOP while it waits for the collector (prefetch=0): its control
+    thread cannot answer the watchdog, so within about step_timeout it is declared hung (the
+    error says it is stopped: the process is on this node), killed and replaced; the run goes on."""
+    from aiocollect.events import WorkerFailed, WorkerRestarted
+
+    failed, restarted = [], []
+    with anyio.fail_after(100):
+        c = Collector(CountingEnv, None, frames_per_batch=8, num_workers=1, envs_per_worker=2, backend="ray",
+                      prefetch=0, step_timeout=1, on_worker_failure="restart",
+                      create_env_kwargs={"episode_length": 50})
+        c.on(WorkerFailed, failed.append)
+        c.on(WorkerRestarted, restarted.append)
+        async with c:
+            await c.collect()
+            (old,) = seen(c)
+            await _stop(old)
+            for _ in range(3):
+                await c.collect()
+            seen(c)
+    assert len(failed) == 1 and len(restarted) == 1 and restarted[0].old_pid == old
+    message = str(failed[0].error)
+    assert isinstance(failed[0].error, WorkerTimeoutError)
+    assert f"worker 0 (Ray actor, pid {old}) is stopped (process state T" in message and "step_timeout=1" in message
+
+
+async def test_a_stopped_evaluator_actor_fails_the_evaluation():
+    """The Evaluator's actor frozen with SIGSTOP between evaluations: the next evaluation fails
+    with WorkerTimeoutError saying it is stopped, and the one after runs on a new actor."""
+    from aiocollect import Evaluator
+
+    with anyio.fail_after(100):
+        async with Evaluator(CountingEnv, num_trajectories=2, seed=0, step_timeout=1, backend="ray",
+                             env_kwargs={"episode_length": 5}) as ev:
+            await ev.evaluate()
+            old = ev.worker_pid
+            _pids.append(old)
+            await _stop(old)
+            with pytest.raises(WorkerTimeoutError) as info:
+                await ev.evaluate()
+            assert (await ev.evaluate())["episode_length_mean"] == 5
+            _pids.append(ev.worker_pid)
+    message = str(info.value)
+    assert f"the evaluator's worker (Ray actor, pid {old}) is stopped (process state T" in message

@@ -273,3 +273,42 @@ async def test_staleness_gate_and_weights_match_torchrl():
         ours.sample(8)
     with pytest.raises(RuntimeError, match="max_staleness=2"):
         theirs.sample(8)
+
+
+# -- step_count and one-hot actions against TorchRL's own collector ------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_step_count_and_one_hot_actions_match_torchrls_collector():
+    """The same env (a single CartPole-v1), the same one-hot policy, ``max_frames_per_traj``: the
+    keys, shapes, dtypes and step counts TorchRL's Collector stores, with our batch's env row
+    (``[1, F]`` here, ``[F]`` there). The policy balances the pole, so every episode is cut by
+    ``max_frames_per_traj`` in both, whatever the start states."""
+    import warnings
+
+    with warnings.catch_warnings():  # (``import torchrl.collectors`` emits DeprecationWarnings)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchrl.collectors import Collector as TorchRLCollector
+        from torchrl.envs import GymEnv
+
+    def one_hot(obs: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot((obs[..., 2] > 0).long(), 2)
+
+    policy = TensorDictModule(one_hot, in_keys=["observation"], out_keys=["action"])
+    with warnings.catch_warnings():  # (and TorchRL's FutureWarning about transforms this policy does not need)
+        warnings.simplefilter("ignore")
+        theirs_collector = TorchRLCollector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=40, total_frames=40,
+                                            max_frames_per_traj=15)
+        theirs_collector.set_seed(0)
+        theirs = next(iter(theirs_collector))
+        theirs_collector.shutdown()
+    async with Collector("CartPole-v1", policy, frames_per_batch=40, total_frames=40, num_workers=0,
+                         max_frames_per_traj=15, seed=0, categorical_action_encoding=False) as c:
+        ours = (await c.collect()).clone()[0]  # (a copy: the batch's shared memory goes with the collector)
+    assert not theirs["next", "terminated"].any() and not ours["next", "terminated"].any()
+    for key in ("action", "step_count", ("next", "step_count"), ("next", "truncated"), ("next", "done")):
+        assert ours[key].shape == theirs[key].shape and ours[key].dtype == theirs[key].dtype, key
+    for key in ("step_count", ("next", "step_count"), ("next", "truncated"), ("next", "done")):
+        assert torch.equal(ours[key], theirs[key]), key
+    assert torch.equal(ours["action"].sum(-1), theirs["action"].sum(-1))  # one-hot rows, as TorchRL's
+    assert torch.equal(ours["action"], one_hot(ours["observation"])), "the one-hot action the policy wrote"
