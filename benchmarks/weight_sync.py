@@ -193,24 +193,11 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Linear]:
 # the in-place change check: what the collector does per batch handed out
 
 
-class NatureCNN(nn.Module):
-    """DQN's Nature CNN (Mnih et al. 2015) on 4 stacked 84x84 frames, 6 actions: 1.69M parameters."""
-
-    def __init__(self, actions: int = 6) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
-            nn.Linear(512, actions),
-        )
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
-
-
 def _check_model(spec: ModelSpec | None) -> tuple[nn.Module, torch.Tensor]:
     """The model and an input (``None``: the Nature CNN)."""
     if spec is None:
+        from inference import NatureCNN  # (the Pong benchmark's network)
+
         torch.manual_seed(SEED)
         return NatureCNN(), torch.zeros(2, 4, 84, 84)
     return build_model(spec), torch.zeros(2, OBS_DIM)
