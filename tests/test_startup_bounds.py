@@ -44,8 +44,10 @@ def marking_factory(marks: str):
     """An env factory that records its process id in ``marks`` and never returns."""
 
     def licensed_env():
-        with open(os.path.join(marks, f"{os.getpid()}-{time.monotonic_ns()}"), "w") as f:
+        name = f"{os.getpid()}-{time.monotonic_ns()}"
+        with open(os.path.join(marks, f".{name}"), "w") as f:
             f.write(str(os.getpid()))
+        os.rename(os.path.join(marks, f".{name}"), os.path.join(marks, name))  # (seen whole, or not at all)
         while True:
             time.sleep(3600)
 
@@ -53,7 +55,8 @@ def marking_factory(marks: str):
 
 
 def marked_pids(marks: Path) -> list[int]:
-    return [int(p.read_text()) for p in marks.iterdir()]
+    """The pids the factories recorded (a mark is written under a dot name, then renamed)."""
+    return [int(p.read_text()) for p in marks.iterdir() if not p.name.startswith(".")]
 
 
 async def give_up_once_a_factory_runs(make, marks: Path) -> float:
@@ -62,7 +65,7 @@ async def give_up_once_a_factory_runs(make, marks: Path) -> float:
     cancelled_at: list[float] = []
 
     async def expire(scope: anyio.CancelScope) -> None:
-        while not any(marks.iterdir()):
+        while not marked_pids(marks):
             await anyio.sleep(0.02)
         cancelled_at.append(time.monotonic())
         scope.cancel()
