@@ -330,8 +330,9 @@ class Half(torch.nn.Module):
 
 
 def fast_and_slow(flag: str):
-    """Envs of the first worker process to make one step at once; the other's take 2 ms a step
-    (CountingEnv's busy step_cost)."""
+    """Envs of the first worker process to make one step at once; the other's take 50 ms a step
+    waiting (CountingEnv's step_sleep: an env waiting on I/O, so that a loaded machine, which
+    slows the fast worker's steps, does not slow the slow one's as much and close the gap)."""
     def make():
         try:
             fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -341,7 +342,7 @@ def fast_and_slow(flag: str):
             pass
         with open(flag) as f:
             fast = f.read() == str(os.getpid())
-        return CountingEnv(episode_length=20, step_cost=0.0 if fast else 0.002)
+        return CountingEnv(episode_length=20, step_sleep=0.0 if fast else 0.05)
 
     return make
 
@@ -366,12 +367,11 @@ async def test_first_ready_passes_do_not_let_a_slow_worker_stall_a_fast_one(tmp_
     server = c.stats().server  # (the server's totals, kept after the run)
     assert server is not None and server["rows"] >= 240 and server["seconds"] > 0
     if env_batch_size == 4:
-        # (Which worker delivers more batches is not the measure: 6-8 of 12 for the fast one on an
-        # idle machine, up to 10 with other tests on the two cores, where the workers spend longer
-        # between batches, when a pass serves the other's rows alone by design.)
-        # Most passes hold both workers' 4 rows; some hold one worker's 2 by design (while the
-        # other is between batches, and at the end): 3.4-3.8 rows a pass on an idle machine,
-        # 2.58-2.95 seen under load; a server that never waited: 2.02-2.19 (None and 2, below).
+        # (Which worker delivers more batches is not the measure here: a pass serves one worker's
+        # rows alone by design while the other is between batches, more often on a loaded
+        # machine.) Most passes hold both workers' 4 rows; some hold one worker's 2 by design
+        # (while the other is between batches, and at the end); a server that never waited for
+        # both gives about 2 rows a pass.
         rows = server["rows"] / server["passes"]
         assert rows > 2.4, f"{rows:.2f} rows a pass: passes did not wait for both workers' envs"
     else:
