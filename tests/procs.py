@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+
 
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
@@ -10,3 +15,20 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def ctrl_c(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    """One Ctrl-C (SIGINT to ``proc``'s process group, as a terminal sends it), then its output.
+    A script still running after ``timeout`` writes every thread's stack (faulthandler on
+    SIGUSR1, which the scripts register), is killed, and fails the test with that output."""
+    import pytest
+
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, on its stderr
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"Ctrl-C did not end the script in {timeout:g} s; its output:\n{out}\nits stderr:\n{err}")

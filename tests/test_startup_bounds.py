@@ -24,7 +24,7 @@ import pytest
 from aiocollect import Collector, ConfigError, Evaluator
 from aiocollect._launcher import get_launcher
 from aiocollect.testing import CountingEnv
-from procs import alive
+from procs import alive, ctrl_c
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 RETURNS_WITHIN = 45.0  # seconds: shutdown_timeout (1 s) and a second or two, with room for a loaded machine
@@ -239,15 +239,7 @@ def test_one_ctrl_c_ends_a_script_whose_factory_never_returns(kind):
             if not line or line[0] != "factory":
                 pytest.fail(f"the factory did not start: {line}\n{proc.communicate(timeout=30)[1]}")
             factory_pid = int(line[1])
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, once
-            try:
-                out, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, on its stderr
-                time.sleep(2)
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                pytest.fail(f"one Ctrl-C did not end the script in 60 s; its output:\n{out}\nits stderr:\n{err}")
+            out, err = ctrl_c(proc)  # once
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -22,7 +22,7 @@ import torch
 
 from aiocollect import AiocollectError, Collector, CollectorClosedError, ConfigError, State
 from aiocollect._weightsync import WeightSync
-from procs import alive
+from procs import alive, ctrl_c
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -349,15 +349,7 @@ def test_ctrl_c_in_a_terminal_stops_the_script_not_its_workers_and_leaves_nothin
             if lines[-1:] != [["collecting"]]:
                 pytest.fail(f"the script did not start collecting: {lines}\n{proc.communicate(timeout=30)[1]}")
             time.sleep(0.5)  # collecting and updating
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-            try:
-                out, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, on its stderr
-                time.sleep(2)
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                pytest.fail(f"Ctrl-C did not end the script in 60 s; its output:\n{out}\nits stderr:\n{err}")
+            out, err = ctrl_c(proc)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
