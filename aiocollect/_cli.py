@@ -33,14 +33,17 @@ class _CliError(Exception):
 
 
 def _extras() -> dict[str, list[str]] | None:
-    """aiocollect's extras and the distributions each needs, from the installed metadata (None
-    when aiocollect runs from a source tree that was not installed)."""
+    """aiocollect's extras and the distributions each needs, from the installed metadata, or
+    from ``pyproject.toml`` where aiocollect runs from a source tree that was not installed (None
+    when neither is there)."""
     from importlib import metadata
 
     try:
         requires = metadata.requires("aiocollect") or []
     except metadata.PackageNotFoundError:
-        return None
+        requires = _source_tree_extras()
+        if requires is None:
+            return None
     extras: dict[str, list[str]] = {}
     for requirement in requires:
         found = re.search(r"""extra\s*==\s*["']([^"']+)["']""", requirement)
@@ -49,6 +52,23 @@ def _extras() -> dict[str, list[str]] | None:
             continue
         extras.setdefault(found.group(1), []).append(name.group())
     return extras
+
+
+def _source_tree_extras() -> list[str] | None:
+    """The optional requirements of the ``pyproject.toml`` beside the package, written as the
+    installed metadata writes them (``name>=x; extra == "progress"``), or None."""
+    import tomllib
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(path, "rb") as f:
+            project = tomllib.load(f).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if project.get("name") != "aiocollect":
+        return None
+    optional = project.get("optional-dependencies", {})
+    return [f'{req}; extra == "{extra}"' for extra, reqs in optional.items() for req in reqs]
 
 
 def _check(probe: Any) -> bool:

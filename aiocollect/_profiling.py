@@ -138,14 +138,24 @@ class Recorder:
         import torch.profiler as tp
 
         kinds = {"cpu": tp.ProfilerActivity.CPU, "cuda": tp.ProfilerActivity.CUDA}
-        self.prof = tp.profile(
+        options: dict[str, Any] = {}
+        if "acc_events" in inspect.signature(tp.profile).parameters:
+            # One cycle per recorder, so keeping events across cycles changes nothing; without it
+            # torch 2.11 warns on the first cycle ("Profiler clears events at the end of each
+            # cycle"), an error where warnings are errors.
+            options["acc_events"] = True
+        prof = tp.profile(
             activities=[kinds[a] for a in self.settings["activities"]],
             record_shapes=self.settings["record_shapes"],
             profile_memory=self.settings["profile_memory"],
             with_stack=self.settings["with_stack"],
             with_flops=self.settings["with_flops"],
+            **options,
         )
-        self.prof.__enter__()
+        # Kept only once started: abort() stops it, and stopping one that never started raises
+        # "Can't disable Kineto profiler when it's not running".
+        prof.__enter__()
+        self.prof = prof
 
     def after(self, n: int) -> str | None:
         if self.prof is None or n + 1 < self.settings["num_rollouts"]:
@@ -161,6 +171,8 @@ class Recorder:
         if self.prof is not None:
             prof, self.prof = self.prof, None
             prof.__exit__(None, None, None)
+
+
 class RunProfiling:
     """A run's profiling: which workers record their next rollouts, the collector process's own
     recorder, and the traces they announce (:class:`~aiocollect.events.ProfileTraceReady`)."""

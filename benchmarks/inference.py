@@ -34,7 +34,9 @@ With ``--device cuda`` (a machine with a CUDA GPU): the Pong case with ``--gpu-e
 (default 64 and 256, over ``--workers`` workers), worker inference on the CPU against the server
 on the GPU (its own stream, pinned staging): frames per second, the loop's lag, the time per
 forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can read it (pynvml);
-the server on the GPU also with ``worker_groups=2`` and with ``cudagraph_policy=True``.
+the server on the GPU also with ``worker_groups=2`` and with ``cudagraph_policy=True``; and the
+same envs stepped with random actions and no policy ("random actions"), the limit: each row's
+frames/s is also given as a fraction of it.
 """
 
 from __future__ import annotations
@@ -102,13 +104,17 @@ SETUPS = {  # name: (inference, where the server serves, policy_device, worker_g
     "server on cuda": ("server", "thread", "cuda", 1, "normal", {}),
     "cuda, 2 groups": ("server", "thread", "cuda", 2, "normal", {}),
     "cuda, cudagraph": ("server", "thread", "cuda", 1, "normal", {"cudagraph_policy": True}),
+    # the same envs stepped with random actions and no policy: the limit the GPU rows are held to
+    "random actions": ("worker", None, None, 1, "normal", {"random": True}),
 }
+RANDOM = "random actions"
 PINNED = tuple(name for name, setup in SETUPS.items() if setup[5].get("worker_cpus"))
 
 
 def _options(setup: str) -> dict[str, Any]:
     """The setup's extra Collector options (``worker_cpus="rest"``: every CPU but the first)."""
     options = dict(SETUPS[setup][5])
+    options.pop("random", None)
     if options.get("worker_cpus") == "rest":
         options["worker_cpus"] = sorted(os.sched_getaffinity(0))[1:]
     return options
@@ -151,6 +157,8 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
         aiocollect._server.SERVE_IN = serve_in
     if device is None:
         policy = policy.cpu()
+    if SETUPS[setup][5].get("random"):
+        policy = None  # the collector steps the envs with their action spaces' samples
 
     frames = 0
     lags: list[float] = []
@@ -235,7 +243,7 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
         fps = statistics.median(r["fps"] for r in runs)
         lag = {k: statistics.median(r["lag_ms"][k] for r in runs) for k in ("p50", "p99", "max")}
         row = {"fps": fps, "ratio": fps / base if base else float("nan"), "lag_ms": lag, "runs_fps": [r["fps"] for r in runs]}
-        if inference != "worker":
+        if SETUPS[inference][0] == "server":
             row["passes_per_s"] = statistics.median(r["passes_per_s"] for r in runs)
             row["rows_per_pass"] = statistics.median(r["rows_per_pass"] for r in runs)
             row["ms_per_pass"] = statistics.median(r["ms_per_pass"] for r in runs)
@@ -316,10 +324,13 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
         envs = max(total // args.workers, 1)
         torch.manual_seed(0)
         tables[total] = run_case(f"pong {total} envs", make_pong, NatureCNN(), args, envs, args.pong_steps,
-                                 setups=["worker", "server on cuda", "cuda, 2 groups", "cuda, cudagraph"])
+                                 setups=[RANDOM, "worker", "server on cuda", "cuda, 2 groups", "cuda, cudagraph"])
     for total, table in tables.items():
         print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {max(total // args.workers, 1)} "
                     f"envs: worker inference (CPU) against the server on CUDA", table)
+        limit = table[RANDOM]["fps"]
+        log("  frames/s as a fraction of random actions (no policy): " + ", ".join(
+            f"{setup} {row['fps'] / limit:.2f}" for setup, row in table.items() if setup != RANDOM))
     out["gpu"] = {str(k): v for k, v in tables.items()}
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,16 @@ import subprocess
 import time
 
 
+def child_env(*front: object) -> dict[str, str]:
+    """This process's environment for a child Python, with the folders ``front`` put before the
+    inherited ``PYTHONPATH`` (kept, not replaced: where aiocollect or its dependencies are found
+    through it, as in a source tree run with ``PYTHONPATH=.``, the child finds them too)."""
+    env = dict(os.environ)
+    parts = [str(p) for p in front] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:

@@ -16,7 +16,7 @@ from importlib import metadata
 
 import pytest
 import torch
-from procs import alive
+from procs import alive, child_env
 
 import aiocollect
 
@@ -118,7 +118,7 @@ def test_bench_prints_every_setup_and_leaves_nothing(workers, progress):
     assert out.startswith(f"aiocollect bench: CartPole-v1, random actions, {workers} worker{'s' * (workers > 1)} x 2 envs, "
                           f"{n * 128} frames per batch")
     assert re.search(rf"^machine: {os.cpu_count()} cores.*Python {sys.version_info[0]}\.{sys.version_info[1]}.*"
-                     rf"torch {re.escape(torch.__version__)}", out, re.M), out  # fmt: skip
+                     rf"torch {re.escape(metadata.version('torch'))}", out, re.M), out  # fmt: skip
     rows = {name: re.search(rf"^{re.escape(name)}\s+{ROW}", out, re.M) for name in
             (f"limit ({workers} proc{'s' * (workers > 1)} x 2 envs)", f"AsyncVectorEnv x{n} ({n} procs, shm)", "aiocollect sync",
              "aiocollect async")}  # fmt: skip
@@ -188,7 +188,7 @@ def test_bench_env_of_a_package_and_a_failing_setup(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "aiocollect", "bench", "--env", "TextObs-v0", "--import", "textobs_plugin",
          "--workers", "1", "--envs-per-worker", "2", "--seconds", "0.3", "--warmup", "0.1"],
-        capture_output=True, text=True, timeout=150, cwd="/", env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True, text=True, timeout=150, cwd="/", env=child_env(tmp_path),
     )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 1, f"{out}\n{proc.stderr}"

@@ -100,8 +100,9 @@ async def test_server_on_cuda_gives_the_data_of_worker_inference(storing_device,
                              **kw) as c:
             async for batch in c:
                 out.append(batch.to("cpu").clone())
-                if kw:
-                    assert batch.device.type == ("cuda" if storing_device else "cpu")
+                if kw:  # on the storing device; else built on the CPU from the workers' memory
+                    where = {t.device.type for t in batch.values(include_nested=True, leaves_only=True)}
+                    assert where == {"cuda" if storing_device else "cpu"}, where
                 await c.update_weights(policy)
         return out
 

@@ -59,6 +59,9 @@ def _text(cell) -> str:
     return "\n".join(parts)
 
 
+NEEDS = "running the notebook needs nbclient, nbformat and ipykernel (the test extra: pip install -e '.[test]')"
+
+
 def _wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
@@ -68,7 +71,7 @@ def _wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 
 def test_notebook_is_committed_without_outputs():
     """The notebook in the repository is clean: users (and this test) run it fresh."""
-    import nbformat
+    nbformat = pytest.importorskip("nbformat", reason=NEEDS)
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
@@ -84,8 +87,9 @@ def test_notebook_runs_in_a_kernel_and_leaves_nothing(monkeypatch):
     weight version reaching the batches, the collector closed; then no worker is left before the
     kernel shuts down, and neither the kernel nor the launcher it started after."""
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")  # jupyter_core's paths, without its DeprecationWarning
-    import nbclient
-    import nbformat
+    nbclient = pytest.importorskip("nbclient", reason=NEEDS)
+    nbformat = pytest.importorskip("nbformat", reason=NEEDS)
+    pytest.importorskip("ipykernel", reason=NEEDS)
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     own = len(nb.cells)

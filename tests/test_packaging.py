@@ -4,11 +4,12 @@ copy imports and collects from outside the source tree."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 import zipfile
+
+from procs import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ def test_the_wheel_holds_the_package_its_type_marker_and_license_and_imports(tmp
         "        print(sum([b.numel() async for b in c]))\n"
         "anyio.run(main)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = child_env(site)  # the wheel first: imported instead of a source tree on PYTHONPATH
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env=env)
     assert out.returncode == 0, out.stderr

@@ -134,3 +134,49 @@ async def test_local_backend_worker_trace_when_the_collector_is_not_profiled(tmp
     assert [(e.worker, e.path) for e in seen] == [(0, str(tmp_path / "w0.json"))]
     with open(seen[0].path) as f:
         assert json.load(f)["traceEvents"]
+
+
+def test_a_profiler_that_fails_to_start_is_not_stopped_later(monkeypatch, tmp_path):
+    """A profiler whose start raises is not kept: stopping the recording afterwards (the run's
+    end, a cancellation) does not call ``__exit__`` on a profiler that never ran (torch raises
+    "Can't disable Kineto profiler when it's not running" there)."""
+    import torch.profiler as tp
+
+    from aiocollect._profiling import Recorder
+
+    exits = []
+
+    class Refuses(tp.profile):
+        def __enter__(self):
+            raise RuntimeError("profiler unavailable")
+
+        def __exit__(self, *exc):
+            exits.append(exc)
+
+    monkeypatch.setattr(tp, "profile", Refuses)
+    settings = ProfileConfig(num_rollouts=1, warmup_rollouts=0, save_path=str(tmp_path / "w{worker_idx}.json")).for_worker()
+    recorder = Recorder(settings, str(tmp_path / "t.json"))
+    with pytest.raises(RuntimeError, match="profiler unavailable"):
+        recorder.before(0)
+    recorder.abort()
+    assert recorder.after(0) is None
+    assert exits == []
+
+
+def test_one_recording_raises_no_warning_of_the_profiler(tmp_path):
+    """One recorded cycle gives a trace and no warning (torch 2.11 warns on a profiler's first
+    cycle unless events are kept across cycles; the suite turns warnings into errors)."""
+    import warnings
+
+    from aiocollect._profiling import Recorder
+
+    path = str(tmp_path / "one.json")
+    settings = ProfileConfig(num_rollouts=1, warmup_rollouts=0, save_path=str(tmp_path / "w{worker_idx}.json")).for_worker()
+    recorder = Recorder(settings, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recorder.before(0)
+        torch.ones(3).sum()
+        assert recorder.after(0) == path
+    with open(path) as f:
+        assert json.load(f)["traceEvents"]

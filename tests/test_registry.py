@@ -21,6 +21,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+from procs import child_env
 
 from aiocollect import Collector, ConfigError, Evaluator
 from aiocollect import _registry
@@ -106,10 +107,7 @@ def test_script_registering_a_class_of_its_main_module_collects_with_it():
     ``"__main__:MyEnv"``) and imports a plugin package: two workers collect from each id, by id
     and through a factory, and the evaluator runs it; no worker says NameNotFound, nor warns
     that an id is overridden when the plugin registers its ids again in the worker."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS.parent), str(TESTS), env.get("PYTHONPATH")) if p
-    )
+    env = child_env(TESTS.parent, TESTS)
     proc = subprocess.run(
         [sys.executable, str(TESTS / "scripts" / "registry_main.py")],
         capture_output=True,

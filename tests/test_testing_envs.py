@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 from gymnasium.utils.env_checker import check_env
+from procs import child_env
 
 from aiocollect.testing import BadObservationEnv, CountingEnv, InjectedFailure, SpacesEnv
 
@@ -153,7 +154,7 @@ def test_counting_env_crash_at_step_kills_its_process():
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(REPO),
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert proc.stdout == "two steps\n"
@@ -163,7 +164,7 @@ def _run_child(code: str, timeout: float = 30) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that imports this checkout's aiocollect."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=timeout, env=child_env(REPO),
     )
 
 
