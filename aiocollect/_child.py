@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from . import _heartbeat, _wire
-from ._errors import AiocollectError, BrokenWorkerError, WorkerError, WorkerTimeoutError
+from ._errors import AiocollectError, BrokenWorkerError, WorkerError, WorkerTimeoutError, worker_error_class
 
 #: pids of the child processes this process started (the last 10,000 at least; tests check that
 #: they are all gone).
@@ -39,18 +39,24 @@ def worker_error(
 ) -> BaseException:
     """The exception the consumer sees for ``exc`` raised in a worker: our own errors (a
     :class:`SpecError` ...) as themselves with the worker traceback as a note, anything else
-    wrapped in :class:`WorkerError` with the original as ``__cause__``."""
+    wrapped in :class:`WorkerError` with the original as ``__cause__``: in the subclass that is also
+    the original's type (``WorkerValueError``), so ``except ValueError`` catches it too."""
     if who is None:
         who = "the local worker" if worker is None else f"worker {worker} (pid {pid})"
     if isinstance(exc, AiocollectError):
         add_note(exc, f"raised in {who}; worker traceback:\n{tb}")
         return exc
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an error"
-    err = WorkerError(
-        f"{who} raised {what}\n\nWorker traceback (most recent call last):\n{tb.rstrip()}",
-        worker=worker,
-        worker_traceback=tb,
-    )
+    frames = tb.rstrip()
+    header = "Traceback (most recent call last):\n"
+    if frames.startswith(header):  # (the message has its own header)
+        frames = frames[len(header) :]
+    message = f"{who} raised {what}\n\nWorker traceback (most recent call last):\n{frames}"
+    cls = worker_error_class(type(exc)) if exc is not None else WorkerError
+    try:
+        err = cls(message, worker=worker, worker_traceback=tb)
+    except Exception:  # noqa: BLE001 - the original type's constructor refused: a plain one
+        err = WorkerError(message, worker=worker, worker_traceback=tb)
     err.__cause__ = exc
     return err
 

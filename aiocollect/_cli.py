@@ -41,9 +41,10 @@ def _extras() -> dict[str, list[str]] | None:
     try:
         requires = metadata.requires("aiocollect") or []
     except metadata.PackageNotFoundError:
-        requires = _source_tree_extras()
-        if requires is None:
+        from_tree = _source_tree_extras()
+        if from_tree is None:
             return None
+        requires = from_tree
     extras: dict[str, list[str]] = {}
     for requirement in requires:
         found = re.search(r"""extra\s*==\s*["']([^"']+)["']""", requirement)

@@ -248,6 +248,24 @@ class Collector(Service, BlockingMixin):
     def __repr__(self) -> str:
         return _describe(self._run)
 
+    def __len__(self) -> int:
+        """The number of batches the collector delivers, ``total_frames // frames_per_batch``
+        (TorchRL's ``len(collector)``). Raises ``TypeError`` for an endless collector
+        (``total_frames=-1``) and under ``trajs_per_batch`` (how many batches hold the frames
+        depends on the episodes' lengths)."""
+        config = self.config
+        if config.total_frames == -1:
+            raise TypeError("len() of a Collector with total_frames=-1: it collects until you stop it, so it has no length")
+        if config.trajs_per_batch is not None:
+            raise TypeError(
+                f"len() of a Collector with trajs_per_batch={config.trajs_per_batch}: how many batches hold "
+                f"total_frames={config.total_frames} depends on the episodes' lengths"
+            )
+        return config.total_batches  # type: ignore[return-value]
+
+    def __bool__(self) -> bool:
+        return True  # (with __len__, an endless collector would otherwise raise in `if collector:`)
+
     # -- weights ----------------------------------------------------------------------------------
     async def update_weights(
         self,

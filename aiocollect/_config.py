@@ -9,10 +9,11 @@ import functools
 import importlib.util
 import math
 import os
+import warnings
 from typing import Any, Callable, Literal, Sequence
 
 from ._checks import ACTION_BOUNDS, ActionBounds
-from ._errors import ConfigError
+from ._errors import ConfigError, user_stacklevel
 from ._limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed, max_worker_processes
 from ._policy import EXPLORATION_TYPES
 
@@ -175,7 +176,8 @@ class CollectorConfig:
     frames_per_batch: int = 0
     """Frames in each delivered batch; a multiple of the number of envs that fill it."""
     total_frames: int = -1
-    """Frames to collect in all (a multiple of ``frames_per_batch``); ``-1`` collects forever."""
+    """Frames to collect in all; ``-1`` collects forever. Not a multiple of ``frames_per_batch``:
+    rounded up to the next whole batch, with a warning (as TorchRL's collectors do)."""
     num_workers: int = 1
     """Worker processes (Ray actors with ``backend="ray"``); ``0`` runs the envs in the
     collector's process (local backend)."""
@@ -372,12 +374,20 @@ class CollectorConfig:
             if self.total_frames <= 0:
                 raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 to collect forever")
             if self.total_frames % self.frames_per_batch:
+                # TorchRL's collectors warn and collect up to the next whole batch: so do we (a
+                # ported script keeps its numbers)
                 lower = self.total_frames // self.frames_per_batch * self.frames_per_batch
                 upper = lower + self.frames_per_batch
-                raise ConfigError(
-                    f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
-                    f"{self.frames_per_batch}; use {upper}" + (f" or {lower}" if lower else "")
+                warnings.warn(
+                    f"total_frames={self.total_frames} is not a multiple of frames_per_batch={self.frames_per_batch}: "
+                    f"collecting {upper} frames ({upper // self.frames_per_batch} whole "
+                    f"batch{'es' * (upper > self.frames_per_batch)}), "
+                    f"{upper - self.total_frames} more, as TorchRL does. Pass total_frames={upper}"
+                    + (f" (or {lower})" if lower else "") + " to silence this warning.",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
                 )
+                object.__setattr__(self, "total_frames", upper)
         _positive_int("num_workers", self.num_workers, allow_zero=True)
         _check_worker_count(self.num_workers)
         _positive_int("envs_per_worker", self.envs_per_worker)

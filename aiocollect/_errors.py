@@ -5,7 +5,8 @@ Every exception aiocollect raises for its own reasons is defined here and derive
 ``SubscriptionOverflowError`` is this module's). What is not an :class:`AiocollectError`:
 
 - exceptions of the user's code (an env, the policy, a handler), which propagate as they are or,
-  from a worker, as the ``__cause__`` of a :class:`WorkerError`;
+  from a worker, as the ``__cause__`` of a :class:`WorkerError` (one that is also of the original
+  type: :func:`worker_error_class`);
 - cancellation, and the end-of-stream signals of anyio's protocols (``anyio.EndOfStream``,
   ``anyio.WouldBlock``), which keep their meaning;
 - ``aiocollect.testing``'s ``InjectedFailure``, which stands for an exception of the user's code.
@@ -94,7 +95,17 @@ class WorkerError(AiocollectError):
 
     The original exception is ``__cause__`` (when it could be pickled back; otherwise a
     ``RuntimeError`` carrying its text), and :attr:`worker_traceback` holds the traceback as
-    formatted in the worker.
+    formatted in the worker: it names the user's file, line and source line, also for an env or
+    a policy defined in a script's ``__main__`` or a notebook cell.
+
+    The error is also an instance of the original exception's type: an env's ``ValueError``
+    arrives as a ``WorkerValueError``, a subclass of both :class:`WorkerError` and
+    ``ValueError`` made (once per type) when it is first needed, so ``except ValueError`` catches
+    it as it would without workers, and ``except WorkerError`` catches every worker's error.
+    Where that type cannot be subclassed with :class:`WorkerError`'s constructor (a final class,
+    a metaclass of its own, an ``__init__`` that needs other arguments, a control-flow exception
+    as ``StopIteration``), the error is a plain :class:`WorkerError`. It pickles as itself (a
+    plain :class:`WorkerError` where the original type cannot be pickled by reference).
 
     Attributes:
         worker: index of the worker (``None`` for the in-process local backend).
@@ -105,6 +116,9 @@ class WorkerError(AiocollectError):
         super().__init__(message)
         self.worker = worker
         self.worker_traceback = worker_traceback
+
+    def __str__(self) -> str:  # (a WorkerKeyError would quote its message as a KeyError does)
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class BrokenWorkerError(WorkerError):
@@ -128,6 +142,63 @@ class WorkerTimeoutError(WorkerError):
         super().__init__(message, worker=worker)
         self.env = env
         self.doing = doing
+
+
+#: exception types whose meaning is control flow: never mixed into a WorkerError (an env's
+#: StopAsyncIteration must not end the consumer's ``async for``)
+_NOT_MIXED: tuple[type[BaseException], ...] = (StopIteration, StopAsyncIteration, GeneratorExit, AiocollectError)
+_NOT_MIXED_MODULES = frozenset({"asyncio", "anyio", "trio", "concurrent", "sniffio", "uvloop"})
+_MIXED: dict[type, type[WorkerError]] = {}
+
+
+def worker_error_class(cause: type) -> type[WorkerError]:
+    """The :class:`WorkerError` subclass that is also a ``cause`` (``WorkerValueError`` for
+    ``ValueError``), made once per type; :class:`WorkerError` itself where ``cause`` cannot or
+    must not be mixed in (see :class:`WorkerError`)."""
+    made = _MIXED.get(cause)
+    if made is not None:
+        return made
+    made = WorkerError
+    if (
+        isinstance(cause, type)
+        and issubclass(cause, Exception)
+        and not issubclass(cause, _NOT_MIXED)
+        and str(getattr(cause, "__module__", "")).partition(".")[0] not in _NOT_MIXED_MODULES
+    ):
+        name = f"Worker{cause.__name__}"
+        try:
+            mixed: type[WorkerError] = type(cause)(  # type: ignore[misc]  # (its metaclass, if its own)
+                name,
+                (WorkerError, cause),
+                {
+                    "__module__": __name__,
+                    "__qualname__": name,
+                    "__doc__": f"A :class:`WorkerError` whose cause is a ``{cause.__qualname__}``; also a ``{cause.__qualname__}``.",
+                    "__reduce__": _reduce_mixed,
+                    "_mixed_cause": cause,
+                },
+            )
+            probe = mixed("probe", worker=0, worker_traceback="tb")
+            if str(probe) == "probe" and probe.args == ("probe",) and probe.worker_traceback == "tb":
+                made = mixed
+        except Exception:  # noqa: BLE001 - cannot be subclassed so: a plain WorkerError
+            pass
+    return _MIXED.setdefault(cause, made)
+
+
+def _reduce_mixed(self: WorkerError) -> tuple:
+    import pickle
+
+    cause = type(self)._mixed_cause  # type: ignore[attr-defined]
+    try:
+        pickle.dumps(cause)  # (by reference: importable where it is loaded)
+    except Exception:  # noqa: BLE001 - a local class: travels as a plain WorkerError
+        return (WorkerError, self.args, dict(vars(self)))
+    return (_rebuild_mixed, (cause, self.args), dict(vars(self)))
+
+
+def _rebuild_mixed(cause: type, args: tuple) -> WorkerError:
+    return worker_error_class(cause)(*args)
 
 
 class CollectorClosedError(AiocollectError, RuntimeError):
@@ -177,3 +248,19 @@ class EvaluatorBusyError(AiocollectError, RuntimeError):
 
 
 __all__ += ["EvaluatorClosedError", "EvaluatorBusyError"]
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by the caller of this function that points
+    at the user's line: the first frame outside this package (and outside the code that
+    ``dataclasses`` generates, whose file name is ``"<string>"``)."""
+    import os
+    import sys
+    from types import FrameType
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -278,7 +278,7 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
     """The pickled :class:`~aiocollect._eval_wire.EvalWorkerConfig` for ``c``'s worker, and the
     modules the worker needs (for the launcher to import once). Raises :class:`ConfigError` for
     a policy or an env that cannot be pickled."""
-    import cloudpickle
+    from . import _pickling
 
     if c.policy_factory is not None:
         mode, obj, kind = "factory", c.policy_factory, "factory"
@@ -289,7 +289,7 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
     if mode == "object":
         obj = on_cpu(obj)
     try:
-        payload = cloudpickle.dumps(obj) if obj is not None else b""
+        payload = _pickling.dumps(obj) if obj is not None else b""
     except Exception as exc:
         name = "policy_factory" if mode == "factory" else "policy"
         raise ConfigError(
@@ -299,7 +299,7 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
     # ids registered in this process, for the worker (taken now: the config is sent as is)
     registry = snapshot_registry(c.env if isinstance(c.env, str) else None, "env")
     try:
-        worker_config = cloudpickle.dumps(EvalWorkerConfig(
+        worker_config = _pickling.dumps(EvalWorkerConfig(
             env_fn=c.env,
             env_kwargs=dict(c.env_kwargs or {}),
             policy_mode=mode,

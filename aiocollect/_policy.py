@@ -86,16 +86,16 @@ def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
 
 def describe(policy: Any, policy_factory: Any, exploration_type: str) -> PolicySpec:
     """Parent side: the :class:`PolicySpec` sent to workers."""
-    import cloudpickle
+    from . import _pickling
 
     if policy_factory is not None:
-        return PolicySpec("factory", cloudpickle.dumps(policy_factory), exploration_type=exploration_type)
+        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type)
     if policy is None:
         return PolicySpec("random", exploration_type=exploration_type)
     kind, fn, in_keys, out_keys = classify(policy)
     if kind == "module":
-        return PolicySpec("module", cloudpickle.dumps(fn), in_keys, out_keys, exploration_type)
-    return PolicySpec("tensordict", cloudpickle.dumps(fn), exploration_type=exploration_type)
+        return PolicySpec("module", _pickling.dumps(fn), in_keys, out_keys, exploration_type)
+    return PolicySpec("tensordict", _pickling.dumps(fn), exploration_type=exploration_type)
 
 
 # -- runners (worker side, or in-process for the local backend) ----------------------------------
@@ -418,6 +418,12 @@ class TensorDictRunner(_TorchRunner):
     def __init__(self, policy: Callable, exploration_type: str, *args: Any) -> None:
         super().__init__(*args)
         import torch
+
+        # tensordict itself first: a collector's start imports it in a thread of its own, and a
+        # submodule imported here meanwhile would run against the half-imported package
+        # ("cannot import name ... from partially initialized module 'tensordict.nn'"); importing
+        # the package waits for that import to finish
+        import tensordict  # noqa: F401
         from tensordict.nn import InteractionType
 
         self.policy = policy

@@ -249,11 +249,10 @@ class RayWorker(LoopSeat):
 
     # -- start-up -------------------------------------------------------------------------------
     def spawn(self, cfg: RolloutConfig) -> Any:
-        import cloudpickle
-
+        from . import _pickling
         from ._ray_actor import RolloutActor
 
-        return actor_class(RolloutActor).options(max_concurrency=1, **self.options).remote(cloudpickle.dumps(cfg))
+        return actor_class(RolloutActor).options(max_concurrency=1, **self.options).remote(_pickling.dumps(cfg))
 
     async def configure(self, actor: Any) -> tuple[int, str, dict]:
         """Wait for a new actor's envs and policy; return ``(pid, node, spec)``."""

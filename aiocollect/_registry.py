@@ -80,10 +80,10 @@ def _resolve_main(spec: EnvSpec) -> EnvSpec:
 
 
 def _pack_one(spec: EnvSpec) -> Packed:
-    import cloudpickle
+    from . import _pickling
 
     try:
-        return Packed((spec.id,), cloudpickle.dumps(spec))
+        return Packed((spec.id,), _pickling.dumps(spec))
     except Exception as exc:  # noqa: BLE001 - only this id is lost; said where it is made
         return Packed((spec.id,), None, f"its spec could not be pickled ({type(exc).__name__}: {exc})")
 

@@ -149,10 +149,10 @@ class ProcessWorker(WorkerHandle):
 
     async def configure(self, proc: ChildProcess, cfg: RolloutConfig) -> dict:
         """Send the config to a new process; return the spec it reports."""
-        import cloudpickle
+        from . import _pickling
 
         await proc.handshake()
-        await proc.send(Config(cloudpickle.dumps(cfg)))
+        await proc.send(Config(_pickling.dumps(cfg)))
         return (await proc.expect(Spec)).spec
 
     def attach(self, layout: SlotLayout, fd: int, mm: Any) -> None:

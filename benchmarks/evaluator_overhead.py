@@ -24,8 +24,8 @@ Printed per kind of phase (means over the rounds):
   the cores the collector (its workers and this process) used alone, and elsewhere the cores
   other processes of the machine used meanwhile, so ``expected`` is the share of its alone speed
   the collector would keep if the evaluator took nothing from it but the CPU its own process
-  burns. On an idle 2-CPU machine with a collector that saturates it, this is the
-  ``1 - (fps_with / fps_alone) / ((2 - eval_cores) / 2)`` of the issue. Near 0: evaluating costs
+  burns. On an idle 2-CPU machine with a collector that saturates it, this is
+  ``1 - (fps_with / fps_alone) / ((2 - eval_cores) / 2)``. Near 0: evaluating costs
   the collector only the evaluator's own CPU; positive: something more (event-loop work,
   scheduling, cache effects); negative: noise, or spare CPU the formula does not see.
 * **efficiency loss** = 1 - (fps per core the collector's processes used, with the evaluator) /

@@ -1,4 +1,4 @@
-"""How fast failures surface and are survived (issue 8's figures).
+"""How fast failures surface and are survived.
 
 1. **SIGKILL -> WorkerFailed -> WorkerRestarted**: a collector with ``on_worker_failure="restart"``
    (CartPole-v1, ``--workers`` x 2 envs, collecting at full speed); ``--kills`` times (default 20)

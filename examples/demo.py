@@ -83,10 +83,16 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", default="CartPole-v1")
-    parser.add_argument("--frames", type=int, default=204_800, help="total frames (multiple of --frames-per-batch)")
-    parser.add_argument("--frames-per-batch", type=int, default=2048)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--envs-per-worker", type=int, default=8)
-    parser.add_argument("--delivery", choices=["sync", "async"], default="sync")
+    parser.add_argument("--env", default="CartPole-v1",
+                        help="gymnasium env id: 4 observations, 2 actions, as CartPole (default: %(default)s)")
+    parser.add_argument("--frames", type=int, default=204_800,
+                        help="total frames to collect, rounded up to whole batches of --frames-per-batch (default: %(default)s)")
+    parser.add_argument("--frames-per-batch", type=int, default=2048,
+                        help="frames in each batch (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    parser.add_argument("--envs-per-worker", type=int, default=8,
+                        help="envs stepped by each worker process (default: %(default)s)")
+    parser.add_argument("--delivery", choices=["sync", "async"], default="sync",
+                        help="sync: each batch holds frames of every worker; async: each batch is the first "
+                             "worker's batch ready (default: %(default)s)")
     anyio.run(main, parser.parse_args(), backend_options={"use_uvloop": True})

@@ -45,7 +45,7 @@ def train_step(policy: ArgmaxMLP, optimizer: torch.optim.Optimizer, batch) -> fl
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return loss.item()  # a number for printing (float(loss) warns: the loss requires grad)
 
 
 async def main(args: argparse.Namespace) -> None:

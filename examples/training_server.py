@@ -77,22 +77,28 @@ def event_name(cls: type) -> str:
 NAMES = {event_name(cls): cls for cls in STREAMED}
 
 
+def option(default: Any, doc: str) -> Any:
+    """A setting with its one-line documentation (the command line's help shows it)."""
+    return dataclasses.field(default=default, metadata={"help": doc})
+
+
 @dataclasses.dataclass
 class Settings:
-    """The server's options (each is a command-line flag)."""
+    """The server's options (each is a command-line flag, its documentation the flag's help)."""
 
-    env_id: str = "CartPole-v1"
-    num_workers: int = 2
-    envs_per_worker: int = 4
-    frames_per_batch: int = 1024
-    publish_every: int = 4
-    """Publish the actor's weights every this many batches (``POST /weights`` publishes at once)."""
-    learning_rate: float = 1e-3
-    gamma: float = 0.99
-    seed: int = 0
-    collect: bool = True
-    """Start the collector and the trainer in the lifespan (``--no-collect``: the same app idle,
-    for comparisons)."""
+    env_id: str = option(
+        "CartPole-v1", "gymnasium env id the workers step: 4 observations, 2 actions, as CartPole")
+    num_workers: int = option(2, "worker processes stepping envs")
+    envs_per_worker: int = option(4, "envs stepped by each worker process")
+    frames_per_batch: int = option(1024, "frames in each batch the trainer receives")
+    publish_every: int = option(
+        4, "publish the actor's weights every this many batches; POST /weights publishes at once")
+    learning_rate: float = option(1e-3, "the actor-critic's Adam learning rate")
+    gamma: float = option(0.99, "discount factor of the returns the critic learns")
+    seed: int = option(0, "seed of torch (the initial weights) and of the collector's envs")
+    collect: bool = option(
+        True, "start the collector and the trainer in the lifespan (--no-collect: the same app idle, "
+        "for comparisons)")
 
 
 # -- the model and the trainer ----------------------------------------------------------------------
@@ -395,14 +401,15 @@ class TrainingServer(uvicorn.Server):
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: a free port (printed)")
     for f in dataclasses.fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
-            p.add_argument(flag, type=type(f.default), default=f.default)
+            p.add_argument(flag, type=type(f.default), default=f.default,
+                           help=f.metadata["help"] + " (default: %(default)s)")
     args = p.parse_args(argv)
     return args, Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
 

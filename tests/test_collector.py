@@ -3,6 +3,8 @@ gymnasium loop, spaces, policies and the options that shape a batch."""
 
 from __future__ import annotations
 
+import types
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -369,5 +371,12 @@ def test_public_names():
         "EvaluatorConfig", "EvaluatorState", "EvaluatorBusyError", "EvaluatorClosedError",
     }
     for name in aiocollect.__all__:
-        assert getattr(aiocollect, name) is not None
+        obj = getattr(aiocollect, name)
+        if isinstance(obj, types.ModuleType):
+            assert obj.__name__ == f"aiocollect.{name}", name
+        elif name == "__version__":
+            assert isinstance(obj, str) and obj, name
+        else:  # defined in the package, under its own name (State: CollectorState's other name)
+            assert obj.__module__.startswith("aiocollect"), name
+            assert obj.__name__ == ("CollectorState" if name == "State" else name), name
     assert aiocollect.State is aiocollect.CollectorState, "State: the name CollectorState had first"

@@ -54,11 +54,6 @@ def _policy_b(td):
 
 CONFIG_ERRORS = [
     pytest.param(
-        dict(frames_per_batch=16, total_frames=100),
-        r"total_frames=100 is not a multiple of frames_per_batch=16; use .*\b96\b",
-        id="total_frames-not-multiple",
-    ),
-    pytest.param(
         dict(frames_per_batch=10, total_frames=20, num_workers=1, envs_per_worker=3),
         r"frames_per_batch=10 is not a multiple of the 3 envs.*envs_per_worker.*frames_per_batch=(12|9)",
         id="frames_per_batch-not-multiple-of-envs",
@@ -267,7 +262,7 @@ async def test_env_exception_reaches_consumer_as_worker_error_with_cause_and_tra
     finally:
         await c.aclose()
     err = info.value
-    assert type(err) is WorkerError
+    assert type(err).__bases__ == (WorkerError, InjectedFailure)  # (also caught as the env's own type)
     assert isinstance(err.__cause__, InjectedFailure), repr(err.__cause__)
     assert "injected failure at step 5" in str(err.__cause__)
     assert err.worker == (0 if num_workers else None)
@@ -362,7 +357,7 @@ async def test_one_failing_worker_stops_the_healthy_one_and_error_names_it(tmp_p
         with anyio.fail_after(5), pytest.raises(WorkerError) as info:
             await c.collect()
     err = info.value
-    assert type(err) is WorkerError
+    assert type(err).__bases__ == (WorkerError, InjectedFailure)  # (also caught as the env's own type)
     assert isinstance(err.__cause__, InjectedFailure)
     assert err.worker in (0, 1)
     assert f"worker {err.worker} (pid {pids[err.worker]})" in str(err)
@@ -622,8 +617,9 @@ def test_no_module_defines_a_public_exception_outside_the_errors_module():
     """A new error class added anywhere but _errors.py fails here (private control-flow
     exceptions, named with a leading underscore, may live where they are used)."""
     package = pathlib.Path(aiocollect.__file__).parent
-    for path in sorted(package.glob("*.py")):
-        module = importlib.import_module(f"aiocollect.{path.stem}" if path.stem != "__init__" else "aiocollect")
+    for path in sorted(package.rglob("*.py")):  # (subpackages too)
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
         for name, value in vars(module).items():
             if not (isinstance(value, type) and issubclass(value, BaseException)):
                 continue

@@ -278,7 +278,8 @@ async def test_an_env_exception_is_not_a_worker_failure_even_under_restart():
             assert isinstance(info.value.__cause__, InjectedFailure)
             assert (await ev.evaluate())["episode_length_mean"] == 10
             assert ev.worker_pid == pid
-    assert events == [("evaluation failed", WorkerError)] and ev.restarts == 0
+    assert [e[0] for e in events] == ["evaluation failed"] and ev.restarts == 0
+    assert events[0][1].__bases__[0] is WorkerError  # (a WorkerError that is also the env's own exception type)
 
 
 # ---- a user program ---------------------------------------------------------------------------------

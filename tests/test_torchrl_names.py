@@ -202,3 +202,41 @@ def test_gym_discrete_with_start_maps_one_hot_to_its_values():
 
     actions = EnvActions(gym.spaces.Discrete(3, start=-1), [Leaf(("action",), (3,), "int64")])
     assert actions.per_env([np.array([[0, 0, 1], [1, 0, 0]])], 2) == [1, -1]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_total_frames_not_a_multiple_is_rounded_up_with_a_warning(num_workers):
+    """TorchRL's `total_frames=1_000_000, frames_per_batch=2048`: a warning that names the line of
+    the script, both numbers and what to pass instead; the run collects up to the next whole batch
+    (489 batches there) and ends; `len(collector)` counts those batches."""
+    with pytest.warns(UserWarning, match=r"total_frames=100 is not a multiple of frames_per_batch=16: collecting 112 "
+                                         r"frames \(7 whole batches\), 12 more.*total_frames=112 \(or 96\)") as caught:
+        collector = Collector(lambda: CountingEnv(episode_length=5), frames_per_batch=16, total_frames=100,
+                              num_workers=num_workers, envs_per_worker=2)
+    assert caught[0].filename == __file__
+    frames = []
+    async with collector as c:
+        assert c.config.total_frames == 112 and len(c) == 7
+        async for batch in c:
+            frames.append(batch.numel())
+    assert frames == [16] * 7
+
+
+def test_torchrls_own_numbers_round_up_to_whole_batches():
+    with pytest.warns(UserWarning, match=r"collecting 1001472 frames \(489 whole batches\)"):
+        c = Collector("CartPole-v1", frames_per_batch=2048, total_frames=1_000_000, num_workers=1)
+    assert len(c) == 489
+    with pytest.warns(UserWarning, match=r"\(1 whole batch\), 11 more.*Pass total_frames=16 to silence"):  # (no "or 0")
+        small = Collector("CartPole-v1", frames_per_batch=16, total_frames=5, num_workers=1)
+    assert small.config.total_frames == 16 and len(small) == 1
+
+
+def test_len_of_a_collector_without_a_number_of_batches_says_why():
+    endless = Collector("CartPole-v1", frames_per_batch=16, num_workers=1)
+    with pytest.raises(TypeError, match="total_frames=-1: it collects until you stop it"):
+        len(endless)
+    assert endless  # (truthy all the same)
+    trajs = Collector("CartPole-v1", frames_per_batch=16, total_frames=64, trajs_per_batch=2, num_workers=1)
+    with pytest.raises(TypeError, match="trajs_per_batch=2: how many batches"):
+        len(trajs)
+    assert len(Collector("CartPole-v1", frames_per_batch=16, total_frames=64, num_workers=1)) == 4
