@@ -19,7 +19,7 @@
 # summary.txt (what to keep), env.txt, pytest-devices.log, inference.log, inference.json,
 # pytest-suite.log. Exit status 0 when every step passed on a CUDA device, else 1; without a CUDA
 # device it says "no CUDA device", runs what it can and exits 1 at the end.
-# Settings (environment): PYTHON (python3), CHECK_JOBS (12), CHECK_BUDGET_S (540: steps are cut to
+# Settings (environment): PYTHON (python3), CHECK_JOBS (15), CHECK_BUDGET_S (540: steps are cut to
 # end by then), BENCH_ARGS (the benchmark's options, default below), SKIP_BENCH=1.
 set -uo pipefail
 
@@ -27,7 +27,7 @@ PY=${PYTHON:-python3}
 WHEELS=.whl
 SITE=${CHECK_SITE:-${TMPDIR:-/tmp}/aiocollect-gpu-site}
 LOG=${OUT:-${TMPDIR:-/tmp}/aiocollect-gpu-check}
-JOBS=${CHECK_JOBS:-12}
+JOBS=${CHECK_JOBS:-15}
 BUDGET=${CHECK_BUDGET_S:-540}
 BENCH_ARGS=${BENCH_ARGS:---rounds 1 --seconds 3 --warmup 1 --workers 8 --gpu-envs 64,256}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
