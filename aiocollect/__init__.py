@@ -15,69 +15,69 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Collector": "._collector",
-    "CollectorConfig": "._config",
-    "CollectorState": "._run",
-    "State": "._run",
-    "WorkerTimeoutError": "._errors",
-    "AiocollectError": "._errors",
-    "ConfigError": "._errors",
-    "SpecError": "._errors",
-    "WorkerError": "._errors",
-    "BrokenWorkerError": "._errors",
-    "CollectorClosedError": "._errors",
-    "EndOfCollection": "._errors",
-    "split_trajectories": "._split",
-    "shutdown_launcher": "._launcher",
-    "CollectorStats": "._stats",
-    "SubscriptionOverflowError": "._errors",
-    "Subscription": "._bus",
-    "ProfileConfig": "._profiling",
-    "ReplayBuffer": "._replay",
-    "Sampler": "._samplers",
-    "UniformSampler": "._samplers",
-    "StalenessAwareSampler": "._samplers",
-    "SliceSampler": "._samplers",
-    "SamplingError": "._errors",
-    "Evaluator": "._evaluator",
-    "EvaluatorConfig": "._eval_config",
-    "EvaluatorState": "._eval_config",
-    "EvaluatorBusyError": "._errors",
-    "EvaluatorClosedError": "._errors",
+    "Collector": "._collector.collector",
+    "CollectorConfig": "._collector.config",
+    "CollectorState": "._collector.run",
+    "State": "._collector.run",
+    "WorkerTimeoutError": "._core.errors",
+    "AiocollectError": "._core.errors",
+    "ConfigError": "._core.errors",
+    "SpecError": "._core.errors",
+    "WorkerError": "._core.errors",
+    "BrokenWorkerError": "._core.errors",
+    "CollectorClosedError": "._core.errors",
+    "EndOfCollection": "._core.errors",
+    "split_trajectories": "._collector.split",
+    "shutdown_launcher": "._backends.launcher",
+    "CollectorStats": "._collector.stats",
+    "SubscriptionOverflowError": "._core.errors",
+    "Subscription": "._service.bus",
+    "ProfileConfig": "._core.profiling",
+    "ReplayBuffer": "._replay.buffer",
+    "Sampler": "._replay.samplers",
+    "UniformSampler": "._replay.samplers",
+    "StalenessAwareSampler": "._replay.samplers",
+    "SliceSampler": "._replay.samplers",
+    "SamplingError": "._core.errors",
+    "Evaluator": "._evaluator.evaluator",
+    "EvaluatorConfig": "._evaluator.config",
+    "EvaluatorState": "._evaluator.config",
+    "EvaluatorBusyError": "._core.errors",
+    "EvaluatorClosedError": "._core.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._collector import Collector as Collector
-    from ._bus import Subscription as Subscription
-    from ._run import CollectorState as CollectorState
-    from ._run import State as State
-    from ._stats import CollectorStats as CollectorStats
-    from ._config import CollectorConfig as CollectorConfig
-    from ._errors import AiocollectError as AiocollectError
-    from ._errors import BrokenWorkerError as BrokenWorkerError
-    from ._errors import CollectorClosedError as CollectorClosedError
-    from ._errors import ConfigError as ConfigError
-    from ._errors import EndOfCollection as EndOfCollection
-    from ._errors import SamplingError as SamplingError
-    from ._errors import SpecError as SpecError
-    from ._errors import SubscriptionOverflowError as SubscriptionOverflowError
-    from ._errors import WorkerError as WorkerError
-    from ._errors import WorkerTimeoutError as WorkerTimeoutError
-    from ._launcher import shutdown_launcher as shutdown_launcher
-    from ._evaluator import Evaluator as Evaluator
-    from ._errors import EvaluatorBusyError as EvaluatorBusyError
-    from ._errors import EvaluatorClosedError as EvaluatorClosedError
-    from ._eval_config import EvaluatorConfig as EvaluatorConfig
-    from ._eval_config import EvaluatorState as EvaluatorState
-    from ._profiling import ProfileConfig as ProfileConfig
-    from ._replay import ReplayBuffer as ReplayBuffer
-    from ._samplers import Sampler as Sampler
-    from ._samplers import SliceSampler as SliceSampler
-    from ._samplers import StalenessAwareSampler as StalenessAwareSampler
-    from ._samplers import UniformSampler as UniformSampler
-    from ._split import split_trajectories as split_trajectories
+    from ._collector.collector import Collector as Collector
+    from ._service.bus import Subscription as Subscription
+    from ._collector.run import CollectorState as CollectorState
+    from ._collector.run import State as State
+    from ._collector.stats import CollectorStats as CollectorStats
+    from ._collector.config import CollectorConfig as CollectorConfig
+    from ._core.errors import AiocollectError as AiocollectError
+    from ._core.errors import BrokenWorkerError as BrokenWorkerError
+    from ._core.errors import CollectorClosedError as CollectorClosedError
+    from ._core.errors import ConfigError as ConfigError
+    from ._core.errors import EndOfCollection as EndOfCollection
+    from ._core.errors import SamplingError as SamplingError
+    from ._core.errors import SpecError as SpecError
+    from ._core.errors import SubscriptionOverflowError as SubscriptionOverflowError
+    from ._core.errors import WorkerError as WorkerError
+    from ._core.errors import WorkerTimeoutError as WorkerTimeoutError
+    from ._backends.launcher import shutdown_launcher as shutdown_launcher
+    from ._evaluator.evaluator import Evaluator as Evaluator
+    from ._core.errors import EvaluatorBusyError as EvaluatorBusyError
+    from ._core.errors import EvaluatorClosedError as EvaluatorClosedError
+    from ._evaluator.config import EvaluatorConfig as EvaluatorConfig
+    from ._evaluator.config import EvaluatorState as EvaluatorState
+    from ._core.profiling import ProfileConfig as ProfileConfig
+    from ._replay.buffer import ReplayBuffer as ReplayBuffer
+    from ._replay.samplers import Sampler as Sampler
+    from ._replay.samplers import SliceSampler as SliceSampler
+    from ._replay.samplers import StalenessAwareSampler as StalenessAwareSampler
+    from ._replay.samplers import UniformSampler as UniformSampler
+    from ._collector.split import split_trajectories as split_trajectories
 
 
 def __getattr__(name: str) -> Any:

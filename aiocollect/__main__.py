@@ -1,5 +1,5 @@
 """``python -m aiocollect info`` and ``python -m aiocollect bench --env ENV_ID ...``: see
-:mod:`aiocollect._cli` (``python -m aiocollect --help``)."""
+:mod:`aiocollect._cli.commands` (``python -m aiocollect --help``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,6 @@ from __future__ import annotations
 if __name__ == "__main__":
     import sys
 
-    from ._cli import main
+    from ._cli.commands import main
 
     sys.exit(main())

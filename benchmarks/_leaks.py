@@ -107,7 +107,7 @@ class ProcessCounts:
 
 def launcher_pid() -> int | None:
     """The pid of aiocollect's launcher, if it runs."""
-    from aiocollect._launcher import get_launcher
+    from aiocollect._backends.launcher import get_launcher
 
     return get_launcher().pid
 

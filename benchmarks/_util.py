@@ -24,7 +24,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # The leftover check walks through them to their children but, where told to keep them, does not
 # count them.
 MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-HELPERS = (*MP_HELPERS, "aiocollect._launcher")
+HELPERS = (*MP_HELPERS, "aiocollect._backends.launcher")
 
 
 class ArgmaxMLP(nn.Module):

@@ -150,7 +150,7 @@ async def measure(collector, evaluator, phases: Phases, kind: str, args: argpars
 
 async def run(args: argparse.Namespace) -> list[Window]:
     from aiocollect import Collector
-    from aiocollect._evaluator import Evaluator
+    from aiocollect._evaluator.evaluator import Evaluator
 
     torch.manual_seed(SEED)
     policy = ArgmaxMLP()

@@ -149,12 +149,12 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
                    steps: int) -> dict[str, Any]:
     import anyio
 
-    import aiocollect._server
+    import aiocollect._collector.inference_server
     from aiocollect import Collector
 
     inference, serve_in, device, groups, priority, _ = SETUPS[setup]
     if serve_in is not None:
-        aiocollect._server.SERVE_IN = serve_in
+        aiocollect._collector.inference_server.SERVE_IN = serve_in
     if device is None:
         policy = policy.cpu()
     if SETUPS[setup][5].get("random"):

@@ -208,7 +208,7 @@ def measure_check(spec: ModelSpec | None, samples: int = 200, per_sample: int = 
     tensor's version counter and every parameter's gradient read, as in a training loop where the
     gradients exist), and the per-publish cost of taking the reference (``mark``: the state dict
     walked once). ``samples`` timings of ``per_sample`` calls each; figures per call, in ms."""
-    from aiocollect._weightsync import InPlaceWatch
+    from aiocollect._collector.weightsync import InPlaceWatch
 
     model, x = _check_model(spec)
     model.net(x).sum().backward()  # gradients exist, as after a training step

@@ -115,7 +115,7 @@ def launcher_with_test_imports():
     """Test modules import tensordict, and workers unpickling envs or policies defined in a test
     module import that module: let the launcher import tensordict once, so that each worker
     forked from it does not pay for it again."""
-    from aiocollect._launcher import get_launcher
+    from aiocollect._backends.launcher import get_launcher
 
     get_launcher().ensure_started(("torch", "tensordict"))
     yield
@@ -137,7 +137,7 @@ def _torch_own_thread(thread: threading.Thread) -> bool:
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Each test must leave no worker process, no shared memory and no extra thread."""
-    from aiocollect import _workers
+    from aiocollect._backends import workers as _workers
 
     threads_before = set(threading.enumerate())
     first_pid = len(_workers.started_pids)

@@ -4,7 +4,7 @@ writing a known value into its rows of the real slots, on a script (how long eac
 at which batch it fails), and records what the producer asked of it (credits, releases).
 
 Use :func:`fake_pool` as a fixture helper: it replaces the run's worker start-up
-(``aiocollect._run.launch_workers``) for the collectors built inside it. Everything after the
+(``aiocollect._collector.run.launch_workers``) for the collectors built inside it. Everything after the
 start-up is the real thing: the run, the producer, delivery, the slots' shared memory, the
 supervisor, events, the consumer's API.
 
@@ -23,15 +23,15 @@ import anyio
 import numpy as np
 import pytest
 
-import aiocollect._run
+import aiocollect._collector.run
 from aiocollect import WorkerError
-from aiocollect._layout import SlotLayout, frame_leaves
-from aiocollect._policy import PolicySpec
-from aiocollect._producer import whole_slots
-from aiocollect._startup import rollout_configs
-from aiocollect._vector import open_rollout
-from aiocollect._wire import NO_EPISODES, BatchInfo
-from aiocollect._workers import WorkerHandle, _Slots, allocate_segment
+from aiocollect._core.layout import SlotLayout, frame_leaves
+from aiocollect._worker.policy import PolicySpec
+from aiocollect._collector.producer import whole_slots
+from aiocollect._collector.startup import rollout_configs
+from aiocollect._worker.vector import open_rollout
+from aiocollect._core.wire import NO_EPISODES, BatchInfo
+from aiocollect._backends.workers import WorkerHandle, _Slots, allocate_segment
 
 
 @dataclasses.dataclass
@@ -144,5 +144,5 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch, *scripts: Script) -> Iterator[lis
     started (one list of workers per collector start)."""
     pools: list[list[FakeWorker]] = []
     with monkeypatch.context() as m:
-        m.setattr(aiocollect._run, "launch_workers", _launcher_for(list(scripts), pools))
+        m.setattr(aiocollect._collector.run, "launch_workers", _launcher_for(list(scripts), pools))
         yield pools

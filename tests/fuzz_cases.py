@@ -44,9 +44,9 @@ from aiocollect import (
     StalenessAwareSampler,
     UniformSampler,
 )
-from aiocollect import _child
-from aiocollect._launcher import Launcher
-from aiocollect._samplers import Sampler
+from aiocollect._backends import child as _child
+from aiocollect._backends.launcher import Launcher
+from aiocollect._replay.samplers import Sampler
 
 HANG_S = 5.0
 """A call that takes longer than this is reported as a hang (a generous bound, not a timing test)."""
@@ -1102,7 +1102,7 @@ def no_spawn() -> Iterator[list[str]]:
     original = Launcher.spawn
     asked: list[str] = []
 
-    def refuse(self: Launcher, fd: int, needs: Any, entry: str = "aiocollect._worker:serve") -> None:
+    def refuse(self: Launcher, fd: int, needs: Any, entry: str = "aiocollect._worker.main:serve") -> None:
         asked.append(entry)
         raise _Spawned(f"the launcher was asked to start a process ({entry})")
 

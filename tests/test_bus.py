@@ -8,7 +8,7 @@ import dataclasses
 import anyio
 import pytest
 
-from aiocollect._bus import EventBus, SubscriptionOverflowError
+from aiocollect._service.bus import EventBus, SubscriptionOverflowError
 from aiocollect.events import Event, WorkerEvent, WorkerFailed, WorkerStarted
 
 

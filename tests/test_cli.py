@@ -200,7 +200,7 @@ def test_bench_env_of_a_package_and_a_failing_setup(tmp_path):
 
 def test_info_text_for_each_cuda_case():
     """The CUDA line in each case (this machine has one of them; the others from edited data)."""
-    from aiocollect._cli import format_info, gather_info
+    from aiocollect._cli.commands import format_info, gather_info
 
     info = gather_info()
     cases = [

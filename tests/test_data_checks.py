@@ -19,8 +19,8 @@ from gymnasium import spaces
 from torch import nn
 
 from aiocollect import Collector, ConfigError, SpecError
-from aiocollect._evaluator import Evaluator
-from aiocollect._launcher import get_launcher
+from aiocollect._evaluator.evaluator import Evaluator
+from aiocollect._backends.launcher import get_launcher
 
 U8 = spaces.Box(0, 255, (3,), np.uint8)
 F32 = spaces.Box(-1000.0, 1000.0, (3,), np.float32)

@@ -30,11 +30,12 @@ from aiocollect import (
     WorkerError,
     split_trajectories,
 )
-from aiocollect import _errors, _workers
-from aiocollect._bus import EventBus
-from aiocollect._policy import classify
+from aiocollect._core import errors as _errors
+from aiocollect._backends import workers as _workers
+from aiocollect._service.bus import EventBus
+from aiocollect._worker.policy import classify
 from aiocollect.events import Event
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import BadObservationEnv, CountingEnv, InjectedFailure
 from procs import alive as _alive
 
@@ -237,7 +238,7 @@ async def test_bad_observation_at_later_step_raises_spec_error_from_collect(num_
     assert "'observation'" in msg and "(4, 5)" in msg and "(3,)" in msg, msg
     notes = "\n".join(getattr(err, "__notes__", []))
     assert _has_worker_traceback_note(err), notes
-    assert "_rollout.py" in notes, notes
+    assert "rollout.py" in notes, notes
     if num_workers:
         assert "worker 0 (pid" in notes, notes
 
@@ -566,7 +567,7 @@ async def test_sending_to_a_dead_worker_raises_broken_worker_error_not_os_error(
     makes the next send raise BrokenWorkerError naming it, never a raw BrokenPipeError."""
     import socket
 
-    from aiocollect._child import ChildProcess
+    from aiocollect._backends.child import ChildProcess
 
     ours, theirs = socket.socketpair()
     w = ChildProcess(ours, index=3, who="worker 3")
@@ -597,7 +598,7 @@ def _exported_exceptions() -> list[tuple[str, type[BaseException]]]:
 
 def test_every_exported_exception_is_an_aiocollect_error_from_the_errors_module():
     """Every exception class aiocollect or aiocollect.testing exports derives from
-    AiocollectError, is defined in aiocollect._errors and says when it is raised; the only
+    AiocollectError, is defined in aiocollect._core.errors and says when it is raised; the only
     exception is testing's InjectedFailure, which plays the user's code failing."""
     found = _exported_exceptions()
     assert {name.rsplit(".", 1)[1] for name, _ in found} >= {"AiocollectError", "ConfigError", "SamplingError",
@@ -609,7 +610,7 @@ def test_every_exported_exception_is_an_aiocollect_error_from_the_errors_module(
             continue
         assert issubclass(cls, AiocollectError), name
         assert cls.__doc__ and cls.__doc__.strip(), f"{name} has no docstring saying when it is raised"
-        assert cls.__module__ == "aiocollect._errors", name
+        assert cls.__module__ == "aiocollect._core.errors", name
         assert short in _errors.__all__, name
 
 
@@ -625,9 +626,9 @@ def test_no_module_defines_a_public_exception_outside_the_errors_module():
                 continue
             if value.__module__ != module.__name__ or name.startswith("_"):
                 continue
-            if module.__name__ == "aiocollect._errors" or name in USER_SIDE:
+            if module.__name__ == "aiocollect._core.errors" or name in USER_SIDE:
                 continue
-            raise AssertionError(f"{module.__name__}.{name} is an exception class outside aiocollect._errors")
+            raise AssertionError(f"{module.__name__}.{name} is an exception class outside aiocollect._core.errors")
 
 
 def test_every_class_in_the_errors_module_is_an_aiocollect_error():
@@ -638,9 +639,9 @@ def test_every_class_in_the_errors_module_is_an_aiocollect_error():
 def test_errors_keep_their_old_import_paths():
     """SubscriptionOverflowError, SamplingError and WeightsMismatchError moved to _errors.py;
     importing them from where they were still gives the same classes."""
-    from aiocollect._bus import SubscriptionOverflowError
-    from aiocollect._samplers import SamplingError
-    from aiocollect._weights import WeightsMismatchError
+    from aiocollect._service.bus import SubscriptionOverflowError
+    from aiocollect._replay.samplers import SamplingError
+    from aiocollect._worker.weights import WeightsMismatchError
 
     assert SubscriptionOverflowError is _errors.SubscriptionOverflowError is aiocollect.SubscriptionOverflowError
     assert SamplingError is _errors.SamplingError is aiocollect.SamplingError

@@ -30,14 +30,14 @@ from aiocollect import (
     SpecError,
     WorkerError,
 )
-from aiocollect import _workers
-from aiocollect._evaluator import (
+from aiocollect._backends import workers as _workers
+from aiocollect._evaluator.evaluator import (
     Evaluator,
     EvaluatorBusyError,
     EvaluatorClosedError,
     EvaluatorState,
 )
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.events import Event, EvaluationCompleted, EvaluationFailed
 from aiocollect.testing import CountingEnv, InjectedFailure
 from procs import alive as _alive
@@ -788,7 +788,8 @@ def test_wire_messages_are_frozen_and_survive_the_socket():
     import dataclasses
     import pickle
 
-    from aiocollect import _eval_wire as w, _wire
+    from aiocollect._core import eval_wire as w
+    from aiocollect._core import wire as _wire
 
     messages = [
         w.Configure(b"cfg"), w.Ready(), w.Evaluate(1, ("state_dict", {"w": 1.0}), 3), w.Abort(1),
@@ -807,9 +808,9 @@ def test_wire_messages_are_frozen_and_survive_the_socket():
 def test_the_evaluator_imports_no_rollout_code():
     """Neither the evaluator (parent side) nor its worker imports the collector's rollout code."""
     code = (
-        "import sys, aiocollect._evaluator, aiocollect._eval_worker\n"
-        "print(sorted(m for m in ('aiocollect._rollout', 'aiocollect._workers', 'aiocollect._worker', "
-        "'aiocollect._vector', 'aiocollect._run') if m in sys.modules))"
+        "import sys, aiocollect._evaluator.evaluator, aiocollect._worker.eval_main\n"
+        "print(sorted(m for m in ('aiocollect._worker.rollout', 'aiocollect._backends.workers', 'aiocollect._worker.main', "
+        "'aiocollect._worker.vector', 'aiocollect._collector.run') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from aiocollect import BrokenWorkerError, Collector, ConfigError, WorkerError, WorkerTimeoutError
-from aiocollect._evaluator import Evaluator
-from aiocollect._launcher import get_launcher
+from aiocollect._evaluator.evaluator import Evaluator
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.events import EvaluationFailed, WorkerFailed, WorkerRestarted
 from aiocollect.testing import CountingEnv, InjectedFailure
 from procs import alive

@@ -28,7 +28,7 @@ import anyio
 import pytest
 
 from aiocollect import BrokenWorkerError, Collector, SpecError, WorkerError, WorkerTimeoutError
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv, FaultyPolicy, InjectedFailure
 from procs import alive
 
@@ -114,7 +114,7 @@ async def test_env_raising_in_reset_is_a_worker_error_with_cause_and_traceback()
 async def test_policy_raising_is_a_worker_error_with_cause_and_traceback():
     """The policy's 3rd call (the 2nd step: the first call checks its outputs at start) raises."""
     err = await _fault(WorkerError, policy=FaultyPolicy("raise", at_call=3))
-    _assert_exception_with_traceback(err, "injected failure at call 3", "_testing_torch.py")
+    _assert_exception_with_traceback(err, "injected failure at call 3", "testing/_torch.py")
 
 
 # ---- a worker process that died: BrokenWorkerError --------------------------------------------

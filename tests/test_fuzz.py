@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 import fuzz_cases as fc
 from aiocollect import Collector, ConfigError, Evaluator, ReplayBuffer, StalenessAwareSampler
-from aiocollect import _child
+from aiocollect._backends import child as _child
 from aiocollect.events import Event
 
 EXAMPLES = 150

@@ -23,7 +23,7 @@ from aiocollect import (
     EndOfCollection,
     State,
 )
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv
 from procs import alive as _alive
 
@@ -155,7 +155,7 @@ async def test_collect_and_async_for_start_the_collector_if_needed(how):
 
 async def test_start_is_idempotent_and_concurrent_starts_share_the_workers():
     """start() twice, or from two tasks at once, starts the workers once."""
-    from aiocollect import _workers
+    from aiocollect._backends import workers as _workers
 
     first = len(_workers.started_pids)
     async with Collector(CountingEnv, frames_per_batch=16, num_workers=2) as c:

@@ -133,7 +133,7 @@ def test_notebook_runs_in_a_kernel_and_leaves_nothing(monkeypatch):
     # before the kernel shut down: the kernel's only children are aiocollect launchers (kept for
     # the next collector), with no worker forked from them left running
     children = {pid: (cmdline, grandchildren) for pid, cmdline, grandchildren in json.loads(last.removeprefix("CHILDREN "))}
-    assert all("aiocollect._launcher" in cmdline and not grandchildren for cmdline, grandchildren in children.values()), (
+    assert all("aiocollect._backends.launcher" in cmdline and not grandchildren for cmdline, grandchildren in children.values()), (
         f"the kernel's child processes after aclose() (pid: command line, children): {children}")
     assert not set(workers) & set(children)
 

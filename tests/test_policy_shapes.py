@@ -15,8 +15,8 @@ from gymnasium import spaces
 from tensordict.nn import TensorDictModule, TensorDictSequential
 
 from aiocollect import Collector, SpecError, WorkerError
-from aiocollect._layout import action_leaves, observation_leaves
-from aiocollect._policy import build_runner, describe
+from aiocollect._core.layout import action_leaves, observation_leaves
+from aiocollect._worker.policy import build_runner, describe
 
 
 class Mlp(torch.nn.Module):

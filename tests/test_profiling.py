@@ -142,7 +142,7 @@ def test_a_profiler_that_fails_to_start_is_not_stopped_later(monkeypatch, tmp_pa
     "Can't disable Kineto profiler when it's not running" there)."""
     import torch.profiler as tp
 
-    from aiocollect._profiling import Recorder
+    from aiocollect._core.profiling import Recorder
 
     exits = []
 
@@ -168,7 +168,7 @@ def test_one_recording_raises_no_warning_of_the_profiler(tmp_path):
     cycle unless events are kept across cycles; the suite turns warnings into errors)."""
     import warnings
 
-    from aiocollect._profiling import Recorder
+    from aiocollect._core.profiling import Recorder
 
     path = str(tmp_path / "one.json")
     settings = ProfileConfig(num_rollouts=1, warmup_rollouts=0, save_path=str(tmp_path / "w{worker_idx}.json")).for_worker()

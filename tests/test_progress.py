@@ -15,7 +15,7 @@ import tqdm
 import tqdm.std
 
 from aiocollect import Collector, ConfigError
-from aiocollect import _progress
+from aiocollect._service.front import progress as _progress
 from aiocollect.testing import CountingEnv
 
 

@@ -24,8 +24,8 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from procs import child_env
 
 from aiocollect import Collector, ConfigError, Evaluator
-from aiocollect import _registry
-from aiocollect._launcher import get_launcher
+from aiocollect._core import registry as _registry
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv
 
 TESTS = Path(__file__).resolve().parent

@@ -10,15 +10,15 @@ import pytest
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from aiocollect._errors import AiocollectError, ConfigError, SpecError
-from aiocollect._replay import ReplayBuffer
-from aiocollect._samplers import (
+from aiocollect._core.errors import AiocollectError, ConfigError, SpecError
+from aiocollect._replay.buffer import ReplayBuffer
+from aiocollect._replay.samplers import (
     SamplingError,
     SliceSampler,
     StalenessAwareSampler,
     UniformSampler,
 )
-from aiocollect._split import split_trajectories
+from aiocollect._collector.split import split_trajectories
 
 IDS = ("collector", "traj_ids")
 VERSION = ("collector", "policy_version")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiocollect import Collector, State, WorkerError, WorkerTimeoutError
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.events import WorkerFailed, WorkerRestarted
 from aiocollect.testing import CountingEnv, InjectedFailure
 from procs import alive

@@ -491,7 +491,7 @@ async def test_a_starved_idle_server_says_so_once_with_the_way_out(caplog, monke
     import logging
     import threading
 
-    from aiocollect._server import StarvationWatch
+    from aiocollect._collector.inference_server import StarvationWatch
 
     monkeypatch.setattr(StarvationWatch, "WINDOW", 1.0)
     stop = threading.Event()

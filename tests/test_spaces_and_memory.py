@@ -25,9 +25,9 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import Collector, ConfigError
-from aiocollect import _shm
-from aiocollect._evaluator import Evaluator
-from aiocollect._layout import action_leaves, observation_leaves
+from aiocollect._core import shm as _shm
+from aiocollect._evaluator.evaluator import Evaluator
+from aiocollect._core.layout import action_leaves, observation_leaves
 from aiocollect.testing import SpacesEnv
 
 pytestmark = pytest.mark.timeout(90)

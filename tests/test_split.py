@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from aiocollect._split import split_trajectories
+from aiocollect._collector.split import split_trajectories
 
 MASK = ("collector", "mask")
 IDS = ("collector", "traj_ids")

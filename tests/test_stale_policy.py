@@ -15,8 +15,8 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from aiocollect import Collector, CollectorState, ConfigError
-from aiocollect._errors import ConfigTypeError
-from aiocollect._weightsync import STALE_POLICY, InPlaceWatch
+from aiocollect._core.errors import ConfigTypeError
+from aiocollect._collector.weightsync import STALE_POLICY, InPlaceWatch
 from aiocollect.testing import CountingEnv
 
 STALE = STALE_POLICY.split("(", 1)[0][:60]  # the start of the message

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from aiocollect import Collector, ConfigError, Evaluator
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv
 from procs import alive, ctrl_c
 

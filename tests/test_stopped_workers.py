@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from aiocollect import Collector, Evaluator, WorkerTimeoutError
-from aiocollect._heartbeat import IDLE, NBYTES, WAITING, HeartbeatMonitor, ProgressWatch, process_state
+from aiocollect._core.heartbeat import IDLE, NBYTES, WAITING, HeartbeatMonitor, ProgressWatch, process_state
 from aiocollect.events import WorkerFailed, WorkerRestarted
 from aiocollect.testing import CountingEnv
 from procs import alive

@@ -306,7 +306,7 @@ def test_faulty_policy_pickles_by_reference_with_its_call_count():
     policy = FaultyPolicy("raise", at_call=2)
     policy(torch.zeros(1, 3))
     data = pickle.dumps(policy)
-    assert b"aiocollect._testing_torch" in data and b"FaultyPolicy" in data
+    assert b"aiocollect.testing._torch" in data and b"FaultyPolicy" in data
     clone = pickle.loads(data)
     assert type(clone) is FaultyPolicy and clone.calls == 1
     with pytest.raises(InjectedFailure):

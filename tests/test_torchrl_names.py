@@ -197,8 +197,8 @@ def test_blocking_evaluate_in_synchronous_code():
 
 
 def test_gym_discrete_with_start_maps_one_hot_to_its_values():
-    from aiocollect._layout import Leaf
-    from aiocollect._policy import EnvActions
+    from aiocollect._core.layout import Leaf
+    from aiocollect._worker.policy import EnvActions
 
     actions = EnvActions(gym.spaces.Discrete(3, start=-1), [Leaf(("action",), (3,), "int64")])
     assert actions.per_env([np.array([[0, 0, 1], [1, 0, 0]])], 2) == [1, -1]

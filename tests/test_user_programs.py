@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from aiocollect import AiocollectError, Collector, CollectorClosedError, ConfigError, State
-from aiocollect._weightsync import WeightSync
+from aiocollect._collector.weightsync import WeightSync
 from procs import alive, ctrl_c
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -227,7 +227,7 @@ async def test_break_out_of_async_for_over_an_unnamed_collector_stops_it():
 
 
 def _children() -> list[int]:
-    from aiocollect._launcher import get_launcher
+    from aiocollect._backends.launcher import get_launcher
 
     pid = get_launcher().pid
     try:

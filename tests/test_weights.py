@@ -348,7 +348,7 @@ async def test_multi_model_errors_name_the_cause():
 
 
 def store_and_reader(values=(0.0, 0.0)):
-    from aiocollect._weights import WeightReader, WeightStore
+    from aiocollect._worker.weights import WeightReader, WeightStore
 
     def model():
         m = torch.nn.Module()
@@ -393,7 +393,7 @@ def test_store_failed_publish_is_never_seen_and_the_next_one_is_complete():
 
 @pytest.mark.parametrize("order", ["shared first", "own first"])
 def test_reader_takes_the_newest_change_of_each_tensor_across_stores(order):
-    from aiocollect._weights import WeightReader, WeightStore
+    from aiocollect._worker.weights import WeightReader, WeightStore
 
     shared, reader, worker = store_and_reader()
     own = WeightStore.create(reader.layout, bytearray(reader.layout.nbytes))
@@ -408,7 +408,7 @@ def test_reader_takes_the_newest_change_of_each_tensor_across_stores(order):
 
 
 def test_unknown_model_ids_are_answered_with_the_submodules_that_exist():
-    from aiocollect._weights import WeightLayout
+    from aiocollect._worker.weights import WeightLayout
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Sequential(torch.nn.Linear(8, 2)))
     layout = WeightLayout.of(net.state_dict())

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from aiocollect import BrokenWorkerError, Collector, WorkerError, WorkerTimeoutError
-from aiocollect._child import worker_error
-from aiocollect._errors import worker_error_class
-from aiocollect._pickling import dumps
+from aiocollect._backends.child import worker_error
+from aiocollect._core.errors import worker_error_class
+from aiocollect._core.pickling import dumps
 from procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import os
 import signal
 
 from aiocollect import Collector
-from aiocollect._launcher import get_launcher
+from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv
 
 

@@ -1,0 +1,512 @@
+"""The collector's side of its rollout workers: process workers (forked by the launcher, talked to
+over a socket, slots in shared memory) and the in-process local backend, behind one interface.
+
+A handle stands for one worker *seat* (an index) for the whole run: when a worker is replaced
+after a failure, the handle keeps its batches already completed, its slots and its counters, and
+only the process behind it changes (:meth:`WorkerHandle.replace`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+import anyio
+
+from .._core import heartbeat as _heartbeat
+from .._core import shm as _shm
+from .child import ChildProcess, started_pids, worker_error
+from .._core.errors import SpecError
+from .._core.layout import SlotLayout
+from .._worker.rollout import Rollout, RolloutConfig
+from .._worker.vector import open_rollout
+from .._core.wire import (
+    Applied, BatchInfo, Config, Credit, Error, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
+    WeightsPublished,
+)
+
+_ENTRY = "aiocollect._worker.main:serve"
+
+OnReady = Callable[[Any], None]
+OnApplied = Callable[[Any, int], Awaitable[None]]
+
+
+class _Slots:
+    """numpy views of each slot over one worker's rows of the slots' segment."""
+
+    def __init__(self, layout: SlotLayout, buffer: Any, worker: int) -> None:
+        self.layout = layout
+        self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
+
+
+class WorkerHandle:
+    """What the producer sees of a worker seat.
+
+    ``ready`` holds ``(slot, BatchInfo)`` for batches completed and not yet taken; ``held`` the slots
+    taken by the producer and not yet released; ``completed`` counts the batches the seat's
+    processes reported (credits of a replacement start from it).
+    """
+
+    index: int
+    slots: _Slots
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.ready: deque[tuple[int, BatchInfo]] = deque()
+        self.held: set[int] = set()
+        self.traces: list[str] = []  # profiler trace files written, not yet announced
+        self.credits_sent = 0
+        self.completed = 0
+        self.counters: list[int] | None = None  # trajectory numbers at the end of the last batch
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def take(self) -> tuple[int, BatchInfo]:
+        """The oldest completed batch: ``(slot, info)``; the slot is held until released."""
+        slot, info = self.ready.popleft()
+        self.held.add(slot)
+        return slot, info
+
+    def free_slots(self) -> list[int]:
+        """Slots a replacement may fill: neither waiting for delivery nor held."""
+        busy = self.held | {slot for slot, _ in self.ready}
+        return [s for s in range(self.slots.layout.num_slots) if s not in busy]
+
+    def _completed(self, slot: int, info: BatchInfo) -> None:
+        self.ready.append((slot, info))
+        self.completed += 1
+        self.counters = info.traj_counters
+
+    async def grant(self, credits: int) -> None:
+        raise NotImplementedError
+
+    async def release(self, slot: int) -> None:
+        raise NotImplementedError
+
+    async def nudge(self) -> None:
+        """New weights are published: an idle worker applies them now."""
+
+    def profile(self, settings: dict, path: str) -> None:
+        """Profile this worker's next rollouts."""
+
+    def profile_off(self) -> None:
+        """Drop a profiler recording in progress (no trace is written)."""
+
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        """Handle the worker's reports until it fails; return its error."""
+        raise NotImplementedError
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
+        raise NotImplementedError
+
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``."""
+        return None
+
+    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
+        raise NotImplementedError
+
+    async def stop(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def stop_nowait(self) -> None:
+        raise NotImplementedError
+
+
+class ProcessWorker(WorkerHandle):
+    """A worker process (replaced by a new one after a failure, under the same handle)."""
+
+    def __init__(self, index: int, launcher: Any, needs: tuple[str, ...]) -> None:
+        super().__init__(index)
+        self.launcher = launcher
+        self.needs = needs
+        self.proc: ChildProcess | None = None
+        self.spec: dict | None = None
+        self.fd: int | None = None  # the slots' memfd, kept for replacements
+        self.mm: Any = None
+        self.monitor: _heartbeat.HeartbeatMonitor | None = None
+        self.weight_layout: Any = None
+        self.store_fds: tuple[int, ...] = ()  # the weight stores' memfds (kept by WeightSync)
+        self.watch = False
+        self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
+        self.hung: BaseException | None = None  # set by the watchdog before it kills the process
+        self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
+        self.own_store: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    # -- start-up -------------------------------------------------------------------------------
+    def spawn(self) -> ChildProcess:
+        return ChildProcess.spawn(self.launcher, self.needs, _ENTRY, index=self.index, who=f"worker {self.index}")
+
+    async def configure(self, proc: ChildProcess, cfg: RolloutConfig) -> dict:
+        """Send the config to a new process; return the spec it reports."""
+        from .._core import pickling as _pickling
+
+        await proc.handshake()
+        await proc.send(Config(_pickling.dumps(cfg)))
+        return (await proc.expect(Spec)).spec
+
+    def attach(self, layout: SlotLayout, fd: int, mm: Any) -> None:
+        """Take this seat's rows of the slots' segment (``fd``: a descriptor of its own)."""
+        self.fd, self.mm = fd, mm
+        self.slots = _Slots(layout, mm, self.index)
+        self.monitor = _heartbeat.HeartbeatMonitor(mm, _heartbeat.heartbeat_offset(layout, self.index))
+
+    async def give_slots(self, free: list[int]) -> None:
+        assert self.proc is not None and self.fd is not None
+        server, server_fds = self.server_link if self.server_link is not None else (None, ())
+        await self.proc.send(
+            Slots(self.slots.layout, self.weight_layout, free, self.watch, server), (self.fd, *self.store_fds, *server_fds)
+        )
+
+    # -- producer interface ---------------------------------------------------------------------
+    async def grant(self, credits: int) -> None:
+        if self.proc is None:
+            return  # being replaced: the replacement gets its credits when it is up
+        self.credits_sent += credits
+        await self.proc.send(Credit(credits))
+
+    async def release(self, slot: int) -> None:
+        self.held.discard(slot)
+        if self.proc is not None:  # (else a replacement gets it with its free slots)
+            await self.proc.send(Release(slot))
+
+    async def nudge(self) -> None:
+        if self.proc is not None:
+            await self.proc.send(WeightsPublished())
+
+    async def give_store(self, store: Any) -> None:
+        """A weight store of this worker's own (kept for a replacement)."""
+        self.own_store = store
+        if self.proc is not None:
+            await self.proc.send(Store(store.layout), (store.fd,))
+
+    def profile(self, settings: dict, path: str) -> None:
+        if self.proc is not None:
+            self.proc.send_nowait(Profile(settings, path))
+
+    def profile_off(self) -> None:
+        if self.proc is not None:
+            self.proc.send_nowait(ProfileOff())
+
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        proc = self.proc
+        assert proc is not None
+        while True:
+            try:
+                msg = await proc.recv()
+            except Exception as exc:  # noqa: BLE001 - its end-of-file (BrokenWorkerError)
+                return self.hung or exc
+            match msg:
+                case Ready(slot, _, info):
+                    self._completed(slot, info)
+                    on_ready(self)
+                case Applied(version, _):
+                    await on_applied(self, version)
+                case Trace(path):
+                    self.traces.append(path)
+                    on_ready(None)
+                case Error():
+                    return self.hung or proc.error_from(msg)
+                case _:  # pragma: no cover - protocol error
+                    raise RuntimeError(f"{proc.name}: unexpected message {msg!r}")
+
+    # -- hangs ----------------------------------------------------------------------------------
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        """Busy with one call for too long (its heartbeat), or, from what the collector sees
+        alone, stopped, or idle with work granted (credits and a free slot) and no progress."""
+        proc, monitor = self.proc, self.monitor
+        if proc is None or monitor is None or self.hung is not None:
+            return None
+        found = monitor.stuck(timeout)
+        if found is None:
+            owed = self.credits_sent > self.completed and bool(self.free_slots())
+            found = self.progress.check(proc.pid, timeout, True if owed else None, proc.received, monitor)
+        return found
+
+    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
+        """The worker has been in one call for ``seconds``: take its stack, kill it; its
+        :meth:`serve` then returns a :class:`WorkerTimeoutError`."""
+        proc, monitor = self.proc, self.monitor
+        assert proc is not None and monitor is not None
+        self.hung = await proc.hung_error(monitor, what, env, seconds, timeout)
+        proc.kill()  # (no await since the line above: serve() sees the end-of-file after self.hung is set)
+
+    # -- replacement and shutdown ---------------------------------------------------------------
+    async def replace(self, cfg: RolloutConfig) -> None:
+        old, self.proc = self.proc, None
+        if old is not None:
+            with anyio.CancelScope(shield=True):
+                await old.stop(0)  # killed now: it must never write into the slots again
+        self.hung = None
+        self.restarts += 1
+        proc = self.spawn()
+        try:
+            # not installed until configured: a credit or release must not reach it before its config
+            spec = await self.configure(proc, cfg)
+            if spec != self.spec:
+                raise SpecError(
+                    f"the replacement of worker {self.index} reports batch leaves {spec}, but the worker "
+                    f"it replaces reported {self.spec}: its env or policy changed"
+                )
+            assert self.monitor is not None
+            self.monitor.reset()
+            self.progress.reset()
+            self.proc = proc
+            self.credits_sent = self.completed
+            await self.give_slots(self.free_slots())  # (slots released meanwhile are free now)
+            if self.own_store is not None:
+                await self.give_store(self.own_store)
+        except BaseException:
+            self.proc = None
+            with anyio.CancelScope(shield=True):
+                await proc.stop(0)
+            raise
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the worker to close its envs and exit; kill it after ``timeout`` seconds."""
+        proc, self.proc = self.proc, None
+        try:
+            if proc is not None:
+                await proc.stop(timeout)
+        finally:
+            self._free()
+
+    def stop_nowait(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.stop_nowait()
+        self._free()
+
+    def _free(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.monitor is not None:
+            self.monitor.release()
+            self.monitor = None
+        self.slots = None  # type: ignore[assignment]
+        self.mm = None  # unmapped once the views are gone
+
+
+async def start_process_workers(
+    configs: list[RolloutConfig], needs: tuple[str, ...], launcher: Any, shutdown_timeout: float = 0.0
+) -> tuple[list[ProcessWorker], list[dict]]:
+    """Fork a worker per config, send each its config, return the workers and their specs.
+
+    Cancelled, or when a worker fails to start, every worker forked is gone before this raises:
+    each gets ``shutdown_timeout`` seconds to finish building its envs and close them, then is
+    killed (those whose hello was not read yet are waited for too)."""
+    workers: list[ProcessWorker] = []
+    try:
+        for i in range(len(configs)):
+            w = ProcessWorker(i, launcher, needs)
+            workers.append(w)
+            w.proc = w.spawn()
+
+        async def handshake(w: ProcessWorker, cfg: RolloutConfig) -> None:
+            w.spec = await w.configure(w.proc, cfg)  # type: ignore[arg-type]
+
+        async with anyio.create_task_group() as tg:
+            for w, cfg in zip(workers, configs):
+                tg.start_soon(handshake, w, cfg)
+        return workers, [w.spec for w in workers]  # type: ignore[misc]
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(w.stop, shutdown_timeout)
+        raise
+
+
+async def setup_process_slots(
+    workers: list[ProcessWorker], layout: SlotLayout, store_fds: dict[int, tuple[int, ...]], weight_layout: Any,
+    watch: bool,
+) -> tuple[int, Any]:
+    """Give each worker its slots (and the shared weight store, if the policy has weights).
+
+    Returns the segment (descriptor, mapping) that holds every worker's slots; the caller owns the
+    descriptor (each worker has a duplicate of its own)."""
+    fd, mm = allocate_segment(layout, f"aiocollect-{os.getpid()}-slots")
+    try:
+        for w in workers:
+            w.attach(layout, os.dup(fd), mm)
+            w.weight_layout = weight_layout
+            w.store_fds = store_fds.get(w.index, ())
+            w.watch = watch
+            await w.give_slots(list(range(layout.num_slots)))
+    except BaseException:
+        os.close(fd)  # (each worker closes its own duplicate when it stops)
+        raise
+    return fd, mm
+
+
+def allocate_segment(layout: SlotLayout, name: str) -> tuple[int, Any]:
+    """The shared-memory segment of a run's slots, with a heartbeat area per worker after them."""
+    return _shm.allocate(layout.nbytes + layout.workers * _heartbeat.NBYTES, name)
+
+
+class LoopSeat(WorkerHandle):
+    """A seat whose credits and free slots are kept in the collector's process, by a coroutine on
+    its loop (the local backend's rollout, a Ray actor's caller), rather than by a worker process."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.credits = 0
+        self.free: deque[int] = deque()
+        self.wakeup = anyio.Event()
+
+    def _wake(self) -> None:
+        self.wakeup.set()
+
+    async def grant(self, credits: int) -> None:
+        self.credits_sent += credits
+        self.credits += credits
+        self._wake()
+
+    async def release(self, slot: int) -> None:
+        self.held.discard(slot)
+        if slot not in self.free:
+            self.free.append(slot)
+        self._wake()
+
+
+class LocalWorker(LoopSeat):
+    """The local backend: the rollout runs in the collector's process and event loop, yielding to
+    the loop every few milliseconds."""
+
+    def __init__(self, cfg: RolloutConfig, policy: Any) -> None:
+        super().__init__(0)
+        self.cfg = cfg
+        self.policy = policy
+        self.recorder: Any = None
+        self.stores: list[Any] = []
+        self.rollout = self._build(cfg)
+
+    def _build(self, cfg: RolloutConfig) -> Rollout:
+        try:
+            rollout = open_rollout(cfg, local_policy=self.policy)
+            assert isinstance(rollout, Rollout)  # (no worker_groups without worker processes)
+            return rollout
+        except BaseException as exc:
+            err = _local_error(exc)
+            raise err
+
+    def setup(self, layout: SlotLayout) -> tuple[int, Any]:
+        """Allocate the slots (a memfd like the process backend's, so that zero-copy batches behave
+        alike); returns the segment, owned by the caller."""
+        fd, self.buffer = allocate_segment(layout, f"aiocollect-{os.getpid()}-local")
+        self.slots = _Slots(layout, self.buffer, 0)
+        self.free.extend(range(layout.num_slots))
+        return fd, self.buffer
+
+    def profile(self, settings: dict, path: str) -> None:
+        from .._core.profiling import Recorder
+
+        if self.recorder is not None:
+            self.recorder.abort()
+        self.recorder = Recorder(settings, path)
+        self.profiled_from = self.rollout.batches
+
+    def profile_off(self) -> None:
+        if self.recorder is not None:
+            self.recorder.abort()
+            self.recorder = None
+
+    async def nudge(self) -> None:
+        self._wake()
+
+    async def give_store(self, store: Any) -> None:
+        self.stores.append(store)
+        self.rollout.add_store(store)
+
+    async def _apply_weights(self, on_applied: OnApplied) -> None:
+        version = self.rollout.apply_weights()
+        if version is not None:
+            await on_applied(self, version)
+
+    async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
+        if self.cfg.profile is not None and self.rollout.batches == 0:
+            self.profile(*self.cfg.profile)
+        while True:
+            await self._apply_weights(on_applied)  # a batch boundary: the only place weights change
+            while not (self.credits > 0 and self.free):
+                self.wakeup = anyio.Event()
+                await self._apply_weights(on_applied)
+                await self.wakeup.wait()
+            slot = self.free.popleft()
+            self.credits -= 1
+            rollout = self.rollout
+            recorder = self.recorder
+            n = rollout.batches - self.profiled_from
+            if recorder is not None:
+                recorder.before(n)
+            deadline = time.perf_counter() + 0.004
+            try:
+                for _ in rollout.fill(self.slots.np_views[slot], rollout.version):
+                    if time.perf_counter() > deadline:
+                        await anyio.sleep(0)
+                        deadline = time.perf_counter() + 0.004
+            except Exception as exc:
+                self.free.appendleft(slot)
+                return _local_error(exc)
+            self._completed(slot, rollout.batch_info())
+            on_ready(self)
+            if recorder is not None and (path := recorder.after(n)) is not None:
+                self.recorder = None
+                self.traces.append(path)
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        self.rollout.close()
+        self.restarts += 1
+        self.cfg = cfg
+        self.rollout = self._build(cfg)
+        for store in self.stores:
+            self.rollout.add_store(store)
+        self.credits = 0
+        self.credits_sent = self.completed
+        self.free = deque(self.free_slots())
+
+    async def stop(self, timeout: float) -> None:
+        self.stop_nowait()
+
+    def stop_nowait(self) -> None:
+        if self.recorder is not None:
+            self.recorder.abort()
+            self.recorder = None
+        self.rollout.close()
+        self.slots = None  # type: ignore[assignment]
+        self.buffer = None  # unmapped once the views are gone
+
+    profiled_from = 0
+
+
+def _local_error(exc: BaseException) -> BaseException:
+    if not isinstance(exc, Exception):
+        return exc
+    text = "".join(traceback.format_exception(exc))
+    # the rollout's frames hold views on the slots: the error (kept for the consumer) must not
+    # keep the shared memory mapped
+    traceback.clear_frames(exc.__traceback__)
+    return worker_error(None, None, exc, text)
+
+
+__all__ = [
+    "LocalWorker",
+    "ProcessWorker",
+    "WorkerHandle",
+    "setup_process_slots",
+    "start_process_workers",
+    "started_pids",
+    "worker_error",
+]

@@ -1,0 +1,1 @@
+"""``python -m aiocollect``: ``info`` and ``bench``."""

@@ -1,0 +1,558 @@
+"""The collector: the public front of a run of worker processes (lifecycle, consuming, weights,
+profiling, seeding). The run itself, its tasks and its state live in
+:class:`aiocollect._collector.run.Run`, which never refers back to the front: a forgotten collector can be
+garbage-collected, and its finalizer stops the run.
+
+Events (``on``, ``subscribe``, ``wait_for``) come from the base it shares with the evaluator,
+:class:`aiocollect._service.front.Service`; the blocking wrapper (``with``, ``for``, ``close()``) from
+:class:`aiocollect._collector.blocking.BlockingMixin`; the work behind ``set_seed`` / ``state_dict`` /
+``load_state_dict`` is :mod:`aiocollect._collector.resume`."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Literal, Mapping, Sequence
+
+import anyio
+
+from . import resume as _resume
+from .._service.portal import Portal
+from .blocking import BlockingMixin
+from .config import CollectorConfig
+from .._core.errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
+from .._backends.launcher import get_launcher
+from .._worker.policy import PolicySpec, classify
+from .._core.profiling import ProfileConfig
+from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
+from .._service.front import Service, warn_unclosed
+from .stats import CollectorStats
+from .._worker.weights import check_weights
+from .weightsync import Updates, check_worker_ids, watch_for
+from .._core.public import public
+
+if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
+    from tensordict import TensorDict
+
+
+@public
+class Collector(Service, BlockingMixin):
+    """Collects experience from gymnasium envs stepped in worker processes.
+
+    >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
+    ...                      num_workers=2, envs_per_worker=4) as collector:   # doctest: +SKIP
+    ...     async for batch in collector:
+    ...         batch.batch_size                               # torch.Size([8, 32])
+
+    Each batch is a :class:`tensordict.TensorDict` of shape ``[E, T]`` (dim names ``[None,
+    "time"]``) in TorchRL's layout: ``observation``, ``action``, ``done`` / ``terminated`` /
+    ``truncated``, ``("next", "observation")``, ``("next", "reward")``, ``("next", "done")`` ...,
+    ``("collector", "traj_ids")``, ``("collector", "policy_version")`` and whatever else the
+    policy writes. With ``split_trajs=True`` it is ``[n_traj, max_len]`` with
+    ``("collector", "mask")``.
+
+    **What is copied.** Workers write frames in place into preallocated shared-memory slots
+    (every worker's rows of a slot side by side). A batch you receive is yours: it stays valid
+    after the next one arrives, for as long as you keep it, and may be modified in place. It is
+    lent without a copy while a slot can be spared (views on its slot, which goes back to the
+    workers once nothing refers to the batch any more), else copied out of the slots (one
+    contiguous copy per key); ``stats().batches_copied`` counts the copies. With
+    ``zero_copy=True`` the batch is a view on the slots, valid until you ask for the next batch,
+    kept or not (see :class:`CollectorConfig`).
+
+    **Lifecycle.** ``async with Collector(...)`` starts on entry and closes on exit; or ``await
+    start()`` / ``await aclose()`` (for notebooks: the collector's own tasks do not belong to the
+    cell that started it). ``async for`` and :meth:`collect` start it if needed. :meth:`aclose`
+    is idempotent, never leaves a process or shared-memory segment behind, and finishes (within
+    ``shutdown_timeout`` plus a moment) even when the caller is being cancelled. A closed
+    collector cannot be reopened. A plain ``with Collector(...) as c: for batch in c:`` runs the
+    same code through an anyio blocking portal (an event loop in a helper thread).
+
+    A collector belongs to the event loop that started it. One that is garbage-collected while
+    running (a notebook cell re-run, ``break`` out of ``async for batch in Collector(...)``) is
+    stopped by its finalizer, with a ``ResourceWarning``.
+
+    **Errors.** Bad arguments raise :class:`ConfigError` here. An exception in a worker reaches
+    the consumer as :class:`WorkerError` (original as ``__cause__``, worker traceback in the
+    message); a worker killed from outside as :class:`BrokenWorkerError`, as soon as its pipe
+    closes; a worker stuck in one call for longer than ``step_timeout`` as
+    :class:`WorkerTimeoutError` (with its stack); data that does not match the env's spaces as
+    :class:`SpecError`. Every failure first emits :class:`~aiocollect.events.WorkerFailed`.
+
+    **Failures you survive.** With ``on_worker_failure="restart"`` a worker that raises, dies or
+    hangs is replaced by a new process (a fork of the launcher, in well under a second) and the
+    collection goes on: its unfinished batch is discarded (no delivered batch holds a frame of
+    it), batches it completed before are delivered, its envs are made anew (reset with seeds
+    derived from ``seed``, the worker index and the restart count: a run with restarts is
+    reproducible only if the failures happen at the same points) and their new trajectories get
+    fresh ids. :class:`~aiocollect.events.WorkerRestarted` follows ``WorkerFailed``; restarts
+    are counted in :meth:`stats`. More than ``max_restarts`` within ``restart_window`` seconds
+    raise the last error.
+
+    **Vector envs.** ``create_env_fn`` may return a ``gymnasium.vector.VectorEnv`` (gymnasium's
+    ``gym.make_vec(..., vectorization_mode="vector_entry_point")``, ``SyncVectorEnv``,
+    ``AsyncVectorEnv``, EnvPool's ``envpool.make_gymnasium``): each worker steps its
+    ``envs_per_worker`` copies as batched envs, and each sub-env is one row of the batch, so a
+    batch has ``num_workers * envs_per_worker * num_envs`` rows, with the same data as that many
+    single envs (true final observations, one trajectory id and episode event per sub-env, no
+    frame of a "reset step"). ``num_envs`` is learned when the workers start; ``frames_per_batch``
+    must then be a multiple of the number of rows (else :class:`ConfigError` at start). Vector
+    envs that cannot give such data (next-step autoreset without a way to reset some sub-envs,
+    an unknown autoreset mode) are refused with a :class:`SpecError`. See ``docs/vector-envs.md``.
+
+    See :class:`CollectorConfig` for every option.
+    """
+
+    _closed_error = CollectorClosedError
+    _ended = "the collector stopped"
+
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        num_workers: int = 1,
+        envs_per_worker: int = 1,
+        delivery: str = "sync",
+        inference: str = "worker",
+        create_env_kwargs: dict | None = None,
+        policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        exploration_type: Any = "random",
+        progress: bool = False,
+        seed: int | None = None,
+        prefetch: int = 2,
+        zero_copy: bool | Literal["debug"] = False,
+        shutdown_timeout: float = 5.0,
+        postproc: Callable[["TensorDict"], Any] | None = None,
+        update_at_each_batch: bool = False,
+        trajs_per_batch: int | None = None,
+        traj_format: str = "pad",
+        on_worker_failure: str = "raise",
+        max_restarts: int = 3,
+        restart_window: float | None = 60.0,
+        step_timeout: float | None = None,
+        profile: ProfileConfig | None = None,
+        check_finite: bool = False,
+        action_bounds: str = "pass",
+        device: Any = None,
+        policy_device: Any = None,
+        env_device: Any = None,
+        storing_device: Any = None,
+        worker_groups: int = 1,
+        env_batch_size: int | None = None,
+        server_priority: str = "normal",
+        compile_policy: bool | dict = False,
+        cudagraph_policy: bool | dict = False,
+        backend: str | None = None,
+        ray_actor_options: dict | Sequence[dict] | None = None,
+        worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
+        categorical_action_encoding: bool = True,
+    ) -> None:
+        self.config = CollectorConfig(
+            create_env_fn=create_env_fn,
+            policy=policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            num_workers=num_workers,
+            envs_per_worker=envs_per_worker,
+            delivery=delivery,  # type: ignore[arg-type]
+            inference=inference,  # type: ignore[arg-type]
+            create_env_kwargs=create_env_kwargs,
+            policy_factory=policy_factory,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            exploration_type=exploration_type,
+            progress=progress,
+            seed=seed,
+            prefetch=prefetch,
+            zero_copy=zero_copy,
+            shutdown_timeout=shutdown_timeout,
+            postproc=postproc,
+            update_at_each_batch=update_at_each_batch,
+            trajs_per_batch=trajs_per_batch,
+            traj_format=traj_format,  # type: ignore[arg-type]
+            on_worker_failure=on_worker_failure,  # type: ignore[arg-type]
+            max_restarts=max_restarts,
+            restart_window=restart_window,
+            step_timeout=step_timeout,
+            profile=profile,
+            check_finite=check_finite,
+            action_bounds=action_bounds,  # type: ignore[arg-type]
+            device=device,
+            policy_device=policy_device,
+            env_device=env_device,
+            storing_device=storing_device,
+            worker_groups=worker_groups,
+            env_batch_size=env_batch_size,
+            server_priority=server_priority,  # type: ignore[arg-type]
+            compile_policy=compile_policy,
+            cudagraph_policy=cudagraph_policy,
+            backend=backend,  # type: ignore[arg-type]
+            ray_actor_options=ray_actor_options,
+            worker_cpus=worker_cpus,
+            categorical_action_encoding=categorical_action_encoding,
+        )
+        self._run = run = Run(self.config)
+        run.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
+        self._portal = portal = Portal(run)
+        self._in_with = False
+        # the run's tasks never refer to this object: when it is forgotten, this stops the run
+        self._finalizer = weakref.finalize(self, _finalize, run, portal)
+        _register_iterable_dataset(type(self))
+        if self.config.backend_name == "process":
+            # Let the launcher import what the workers need while the caller does other things.
+            if inference == "server" or (policy is None and policy_factory is None):
+                kind = "server" if inference == "server" else "random"  # (no torch in the workers)
+            else:
+                kind = "factory" if policy is None else classify(policy)[0]
+            needs = PolicySpec(kind).needs
+            get_launcher().ensure_started(needs)
+
+    # -- public state -----------------------------------------------------------------------------
+    @property
+    def state(self) -> CollectorState:
+        return self._run.state
+
+    @property
+    def frames(self) -> int:
+        """Frames delivered so far (including those restored by :meth:`load_state_dict`)."""
+        return self._run.frames
+
+    @property
+    def batches(self) -> int:
+        """Batches delivered so far."""
+        return self._run.batches
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """Process ids of the running workers (empty for the local backend; with
+        ``backend="ray"``, the actors' process ids on their nodes)."""
+        return tuple(w.pid for w in self._run.workers if w.pid is not None)
+
+    @property
+    def policy_version(self) -> int:
+        """Latest weight version published (0: the weights the policy had at start). Each
+        :meth:`update_weights` adds one."""
+        return self._run.sync.version
+
+    @property
+    def worker_versions(self) -> tuple[int, ...]:
+        """Per worker, the weight version it acknowledged applying (at a batch boundary)."""
+        return tuple(self._run.sync.acked)
+
+    def __repr__(self) -> str:
+        return _describe(self._run)
+
+    def __len__(self) -> int:
+        """The number of batches the collector delivers, ``total_frames // frames_per_batch``
+        (TorchRL's ``len(collector)``). Raises ``TypeError`` for an endless collector
+        (``total_frames=-1``) and under ``trajs_per_batch`` (how many batches hold the frames
+        depends on the episodes' lengths)."""
+        config = self.config
+        if config.total_frames == -1:
+            raise TypeError("len() of a Collector with total_frames=-1: it collects until you stop it, so it has no length")
+        if config.trajs_per_batch is not None:
+            raise TypeError(
+                f"len() of a Collector with trajs_per_batch={config.trajs_per_batch}: how many batches hold "
+                f"total_frames={config.total_frames} depends on the episodes' lengths"
+            )
+        return config.total_batches  # type: ignore[return-value]
+
+    def __bool__(self) -> bool:
+        return True  # (with __len__, an endless collector would otherwise raise in `if collector:`)
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Any = None,
+        model_id: str = "policy",
+        weights_dict: Mapping[str, Any] | None = None,
+        wait: bool = True,
+    ) -> int:
+        """Publish new policy weights to the workers; returns the new version.
+
+        ``policy_or_weights``: an ``nn.Module`` / ``TensorDictModule`` (its current weights, on
+        whatever device it is now), a ``TensorDict`` of parameters
+        (``TensorDict.from_module(policy)``), a state dict, or ``None`` for the weights of the
+        ``policy`` given to the constructor. They are copied once into shared memory; each
+        worker applies the newest complete version at its next batch boundary (never within a
+        batch, never half-written; an idle worker at once) and every frame it collects after
+        that carries the version in ``("collector", "policy_version")``.
+
+        ``model_id`` names what the weights are for: ``"policy"`` (all of the workers' policy)
+        or one of its submodules, ``"policy.<path>"`` with the path ``get_submodule`` takes
+        (``"policy.actor"``, ``"policy.heads.0"``); the rest of the policy keeps its weights.
+        ``weights_dict={model_id: weights, ...}`` updates several models as one version: a
+        worker applies all of them at the same batch boundary or none.
+
+        ``worker_ids`` limits the update to some workers (the others keep their weights); with
+        one ``policy_factory`` per worker (distinct policies), it is how each gets its own.
+
+        ``wait=True`` returns once every targeted worker that still collects applied it: once
+        ``total_frames`` have been collected (the workers are done, though batches may still
+        wait to be delivered) nothing is waited for, so the loop ``async for batch in c: ...;
+        await c.update_weights(policy)`` ends cleanly. A worker being replaced after a failure
+        is waited for (its replacement applies the newest version before its first batch).
+        ``wait=False`` returns at once. Called before the collector starts, it starts it.
+
+        **On-policy training (PPO): pass ``prefetch=0`` to the constructor** (with the default
+        ``delivery="sync"``) and call ``await collector.update_weights(policy)`` after each
+        training step: every frame of the next batch is then collected with the new version.
+        With the default ``prefetch=2``, the batches collected ahead of your request still carry
+        the version before the update (see ``("collector", "policy_version")``).
+
+        The workers run a copy of the policy: training the constructor's ``policy`` in place
+        changes nothing they run until it is published: by this method, by
+        ``update_at_each_batch=True`` or by the blocking ``update_policy_weights_()``. A
+        collector whose policy was changed in place and that hands out another batch without an
+        update in between says so once on the ``aiocollect`` logger (it reads the tensors'
+        version counters and gradients: 1.5 µs per batch for a 4-64-2 MLP, 3 µs for a Nature
+        CNN).
+
+        Emits :class:`~aiocollect.events.WeightsUpdated`, then one
+        :class:`~aiocollect.events.WeightsApplied` per worker (with its latency). Raises
+        :class:`ConfigError` for arguments that do not fit the workers' policy (those that could
+        not fit any policy before the collector starts; nothing is published then), and
+        :class:`CollectorClosedError` after :meth:`aclose` or once a worker's failure stopped
+        the collection.
+        """
+        if not isinstance(model_id, str):
+            raise ConfigError(f"model_id={model_id!r} must be a str: 'policy' or 'policy.<submodule path>'")
+        if weights_dict is not None:
+            if policy_or_weights is not None or model_id != "policy":
+                raise ConfigError(
+                    "pass either weights_dict={model_id: weights, ...} or policy_or_weights (with model_id), not both"
+                )
+            if not isinstance(weights_dict, Mapping) or not weights_dict:
+                raise ConfigError(f"weights_dict={weights_dict!r} must be a non-empty {{model_id: weights}} mapping")
+            updates = Updates(weights_dict, from_dict=True)
+        else:
+            updates = Updates({model_id: policy_or_weights}, from_dict=False)
+        if not isinstance(wait, bool):
+            raise ConfigError(f"wait={wait!r} must be True or False")
+        # what does not depend on the workers' policy, checked before the collector starts
+        run = self._run
+        run.sync.check_model_ids(updates)
+        check_worker_ids(worker_ids, self.config.workers)
+        for name, weights in updates.items():
+            if weights is not None:
+                check_weights(weights, updates.argument(name))
+        if run.state is CollectorState.CREATED:
+            run.sync.check_before_start(updates)
+        return await run.update_weights(updates, worker_ids, wait)
+
+    # -- profiling and stats ---------------------------------------------------------------------
+    def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
+        """Profile chosen workers (and the collector's process) with ``torch.profiler``: pass a
+        :class:`ProfileConfig` or its fields as keywords. Call it at any time (before start,
+        right after entering ``async with``, between batches): it profiles the *next*
+        ``num_rollouts`` rollouts of the chosen workers (the first ``warmup_rollouts`` of them
+        unrecorded); a profile in progress is replaced. The constructor's ``profile=`` does the
+        same from the start. Each trace file written emits
+        :class:`~aiocollect.events.ProfileTraceReady`.
+
+        >>> collector.enable_profile(workers=[0], num_rollouts=5, warmup_rollouts=2,   # doctest: +SKIP
+        ...                          save_path="traces/worker_{worker_idx}.json")
+        """
+        if config is not None and not isinstance(config, ProfileConfig):
+            raise ConfigError(f"config={config!r:.100} must be a ProfileConfig or None (then pass its fields as keywords)")
+        if self.config.backend_name == "ray":
+            raise ConfigError(
+                "enable_profile(): backend='ray' does not support the profiler yet (its traces are files on the "
+                "actors' machines); use backend='process' to profile"
+            )
+        fields = {f.name for f in dataclasses.fields(ProfileConfig)}
+        unknown = [k for k in kwargs if k not in fields]
+        if unknown:
+            raise ConfigError(
+                f"enable_profile() got the keyword {unknown[0]}={kwargs[unknown[0]]!r:.60}, which is not a field of "
+                f"ProfileConfig; pass some of {sorted(fields)}"
+            )
+        if config is None:
+            config = ProfileConfig(**kwargs)
+        elif kwargs:
+            config = dataclasses.replace(config, **kwargs)
+        bad = [w for w in config.workers if w >= self.config.workers]
+        if bad:
+            raise ConfigError(
+                f"config=ProfileConfig(workers={list(config.workers)}) names workers {bad}, but this collector has "
+                f"{self.config.workers} (indices 0..{self.config.workers - 1})"
+            )
+        self._run.enable_profile(config)
+        return config
+
+    def disable_profile(self) -> None:
+        """Stop profiling: before start, nothing will be profiled; while running, recordings in
+        progress are dropped without writing a trace."""
+        self._run.disable_profile()
+
+    def stats(self) -> CollectorStats:
+        """Counters and timing so far: frames, batches, frames per second, episodes and their
+        mean return, worker restarts, and seconds spent per stage (see :class:`CollectorStats`)."""
+        run = self._run
+        return run.stats.snapshot(run.frames, run.batches, run.server)
+
+    # -- seeding and state ------------------------------------------------------------------------
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the envs: env ``k`` (counted over all workers) is reset with ``seed + k`` (or
+        ``seed`` itself with ``static_seed=True``), and a random policy samples each env's action
+        space seeded the same way. The same seed, policy and settings give the same data whatever
+        the number of workers. Call before the collector starts.
+
+        Returns the next unused seed (``seed + number of envs``), to seed something else with.
+        (With vector envs, whose number of sub-envs is known only once the collector started,
+        it counts each vector env once: take ``state_dict()["next_seed"]`` after the start.)
+        Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
+        pass torch's limit (``2**64 - 1``).
+        """
+        return _resume.set_seed(self._run, seed, static_seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters to resume from: frames and batches delivered, the next trajectory number of
+        each env (so trajectory ids stay unique after a resume), and the seeds."""
+        return _resume.state_dict(self._run)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume counters from :meth:`state_dict` (before start). ``total_frames`` counts the
+        restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
+        run does not replay the same episodes."""
+        _resume.load_state_dict(self._run, state)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self, replay_buffer: Any = None) -> None:
+        """Start the workers and wait until they are ready (idempotent). Raises what a worker
+        raised while starting (an env factory's error, a :class:`SpecError` ...).
+
+        Cancelling a waiting ``start()`` does not stop the start-up: a later ``start()`` takes
+        it from there. :meth:`aclose` ends it, as does a cancelled ``async with`` entry (which
+        closes the collector), even one stuck in an env factory that never returns: workers
+        still starting get ``shutdown_timeout`` seconds, then are killed (with the local
+        backend, whose factories run in a thread of this process, the factory is left to finish
+        there and what it builds is closed). When the start-up fails or is cancelled, none of
+        its worker processes is alive any more by the time the error reaches the caller.
+
+        With ``replay_buffer`` (any object with ``extend(batch)``, sync or async: an
+        :class:`~aiocollect.ReplayBuffer`, a TorchRL buffer ...) the collector collects in the
+        background and writes every batch into it, until ``total_frames`` or :meth:`aclose`;
+        :meth:`pause` holds the writes. Errors (of the workers or of ``extend``) are raised by
+        :meth:`aclose`. Batches then go to the buffer only: :meth:`collect` refuses.
+        """
+        await self._run.start(replay_buffer)
+
+    async def __aenter__(self) -> "Collector":
+        try:
+            await self._run.start()
+        except BaseException:
+            # cancelled (or failed) on entry: nobody will call __aexit__, so close here
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._run.aclose()
+                except Exception:  # noqa: BLE001 - the entry's own error (or cancellation) wins
+                    pass
+            raise
+        return self
+
+    async def aclose(self) -> None:
+        """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is
+        killed), free the shared memory and close the stream. Idempotent; shielded from
+        cancellation. Raises an error of the workers that no consumer has seen yet."""
+        try:
+            await self._run.aclose()
+        finally:
+            if self._run.state is CollectorState.CLOSED:
+                # nothing left for the finalizer to stop; and the finalizer registry, a global,
+                # must not keep the run alive: its error's traceback may refer to this collector
+                # and to a batch (whose memory, a lent slot, would stay mapped)
+                self._finalizer.detach()
+
+    # -- consuming --------------------------------------------------------------------------------
+    async def collect(self) -> "TensorDict":
+        """The next batch (starting the collector if needed).
+
+        Raises :class:`EndOfCollection` once ``total_frames`` have been delivered, a worker's
+        error if one failed, :class:`CollectorClosedError` after :meth:`aclose`. Cancelling a
+        waiting call loses no frame: the batch goes to the next call.
+        """
+        run = self._run
+        if run.state is CollectorState.CREATED:
+            await run.start()
+        if run.sink is not None:
+            raise AiocollectError(
+                "this collector writes its batches into a replay buffer (start(replay_buffer=...)); "
+                "sample from the buffer instead of collecting"
+            )
+        batch = await run.collect()
+        if run.sync.watch is not None:
+            run.sync.watch.handed_out()
+        return batch
+
+    def pause(self) -> Any:
+        """``async with collector.pause():`` no batch is delivered, and nothing is written into
+        the replay buffer, until the block exits (a write in progress finishes first). Workers
+        stop once their slots are full (backpressure); nothing is lost: held batches follow
+        after the pause. Pauses nest."""
+        return self._run.pause()
+
+    @property
+    def paused(self) -> bool:
+        return self._run.paused > 0
+
+    def __aiter__(self) -> AsyncIterator["TensorDict"]:
+        return self
+
+    async def __anext__(self) -> "TensorDict":
+        try:
+            return await self.collect()
+        except EndOfCollection:
+            raise StopAsyncIteration from None
+
+
+def _register_iterable_dataset(cls: type) -> None:
+    """A collector is a ``torch.utils.data.IterableDataset`` (a virtual subclass, as TorchRL's
+    collectors are real ones), so that ``DataLoader(collector, batch_size=None)`` iterates it
+    (blocking) instead of indexing it. torch is imported here anyway: batches are TensorDicts."""
+    if cls not in _registered:
+        from torch.utils.data import IterableDataset
+
+        IterableDataset.register(cls)
+        _registered.add(cls)
+
+
+_registered: set[type] = set()
+
+
+def _describe(run: Run) -> str:
+    c = run.config
+    return (
+        f"<Collector {c.create_env_fn!r} {run.state.value}: {c.num_workers} workers x "
+        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.frames} frames>"
+    )
+
+
+def _finalize(run: Run, portal: Portal) -> None:  # (a finalizer: must not refer to the collector)
+    """The collector was garbage-collected (or the interpreter exits): stop what it left running."""
+    active = run.task is not None and not run.done.is_set()
+    name = _describe(run)
+    if portal.portal is not None:
+        try:
+            portal.portal.call(run.aclose)
+        except BaseException:  # noqa: BLE001 - nothing to report it to
+            pass
+        portal.close()
+    elif active:
+        run.abandon()
+    if active:
+        warn_unclosed(name, "Collector")
+
+
+__all__ = ["Collector", "CollectorState", "CollectorStats", "State"]

@@ -1,0 +1,571 @@
+"""The collector's options: one frozen dataclass, each field typed, defaulted and documented, and
+every invalid value or combination rejected at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import warnings
+from typing import Any, Callable, Literal, Sequence
+
+from .._core.datachecks import ActionBounds
+from .._core.errors import ConfigError, user_stacklevel
+from .._core.limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed
+from .._service.options import (
+    check_data_options,
+    check_env_id,
+    check_kwargs,
+    check_platform,
+    check_policy_args,
+    check_sendable_to_workers,
+    check_strs,
+    check_worker_count,
+    exploration_name,
+    format_size,
+    positive_int,
+    positive_seconds,
+)
+from .._core.public import public
+
+
+@public
+@dataclasses.dataclass(frozen=True)
+class CollectorConfig:
+    """Every option of :class:`~aiocollect.Collector` (see its docstring for the whole story)."""
+
+    create_env_fn: Any
+    """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``, or a
+    ``gymnasium.vector.VectorEnv`` whose sub-envs are then rows of the batch (see
+    ``docs/vector-envs.md``); lambdas and classes defined in ``__main__`` or a notebook work: it
+    travels with cloudpickle.
+    Ids registered in this process (``gymnasium.register``, or by importing a plugin such as
+    ``ale_py``) can be made in the workers, by id or by a callable that calls ``gymnasium.make``:
+    the registry is sent to them at each start."""
+    policy: Any = None
+    """``None`` (random actions from the action space), a ``TensorDictModule``, a plain ``nn.Module``
+    on the observation tensor, or any callable taking and returning a TensorDict."""
+    frames_per_batch: int = 0
+    """Frames in each delivered batch; a multiple of the number of envs that fill it."""
+    total_frames: int = -1
+    """Frames to collect in all; ``-1`` collects forever. Not a multiple of ``frames_per_batch``:
+    rounded up to the next whole batch, with a warning (as TorchRL's collectors do)."""
+    num_workers: int = 1
+    """Worker processes (Ray actors with ``backend="ray"``); ``0`` runs the envs in the
+    collector's process (local backend)."""
+    envs_per_worker: int = 1
+    """Envs stepped by each worker (batched through the policy together)."""
+    delivery: Literal["sync", "async"] = "sync"
+    """``"sync"``: each batch holds frames from every worker, ordered by worker. ``"async"``: each
+    batch is the first worker batch ready."""
+    inference: Literal["worker", "server"] = "worker"
+    """Where the policy runs: ``"worker"``, a replica in each worker (on CPU, one torch thread
+    each); ``"server"``, the policy object itself in this process, one batched forward pass over
+    the envs of every worker that waits for actions (workers step envs only and never import
+    torch). See ``docs/inference.md``."""
+    create_env_kwargs: dict | None = None
+    """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``)."""
+    policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None
+    """Builds the policy inside each worker instead of copying ``policy``: one callable for every
+    worker, or a list of one per worker (distinct policies, e.g. one per agent or league member;
+    they must produce the same outputs, and :meth:`Collector.update_weights` with ``worker_ids``
+    updates each one's weights)."""
+    max_frames_per_traj: int | None = None
+    """Truncate episodes after this many frames (``("next", "truncated")`` is set)."""
+    init_random_frames: int | None = None
+    """Frames (in all) collected with random actions before the policy is used."""
+    reset_at_each_iter: bool = False
+    """Reset every env at the start of each batch."""
+    split_trajs: bool = False
+    """Deliver ``[n_traj, max_len]`` padded trajectories with a ``("collector", "mask")``."""
+    exploration_type: str = "random"
+    """tensordict interaction type the policy runs under: random, deterministic, mode, mean, median."""
+    progress: bool = False
+    """Show a progress bar (needs tqdm: ``pip install 'aiocollect[progress]'``). In Jupyter it stays
+    in the cell that starts the collector: a widget with ipywidgets (``aiocollect[notebook]``), a
+    text line updated in place without."""
+    seed: int | None = None
+    """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
+    prefetch: int = 2
+    """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand; the
+    on-policy (PPO) setting with ``delivery="sync"``: each batch is collected with the newest weights
+    published before it was asked for, where batches collected ahead carry the older version)."""
+    zero_copy: bool | Literal["debug"] = False
+    """Deliver each batch as views on the workers' shared memory that are handed back at the next
+    request, kept or not (TorchRL's ``return_same_td``, without the reuse of one TensorDict).
+    The default (``False``) also lends batches without a copy, while slots can be spared, but
+    hands a slot back only once nothing refers to the batch, and copies when the consumer keeps
+    too many; ``True`` guarantees no copy with one extra slot per worker. A batch stays valid until the
+    consumer asks for the next one (the next ``async for`` step or ``collect()``) or the collector
+    closes; then its memory goes back to the workers, which write new frames into it. Keep data
+    longer by copying it (``batch.clone()``, ``replay_buffer.extend(batch)``). Never write into it.
+    ``"debug"``: reading a batch after it was handed back crashes the process with a traceback
+    (the memory is protected) instead of silently reading newer frames."""
+    shutdown_timeout: float = 5.0
+    """Seconds a worker gets to close its envs and exit before it is killed; also what a start-up
+    that is cancelled (or closed) gets, even one stuck in an env factory. With the local backend a
+    factory runs in a thread, which cannot be killed: after these seconds it is left to finish."""
+    postproc: Callable[[Any], Any] | None = None
+    """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
+    update_at_each_batch: bool = False
+    """Publish the weights of ``policy`` (the collector's reference) before each batch."""
+    trajs_per_batch: int | None = None
+    """Deliver batches of this many complete episodes (instead of ``frames_per_batch`` frames)."""
+    traj_format: Literal["pad", "padded", "cat"] = "pad"
+    """With ``trajs_per_batch``: ``"pad"`` gives ``[N, max_len]`` with ``("collector", "mask")``,
+    ``"cat"`` the trajectories one after another, ``[sum of lengths]``. ``"padded"`` (TorchRL's
+    spelling) is taken as ``"pad"``."""
+    on_worker_failure: Literal["raise", "restart"] = "raise"
+    """What a worker's failure (an exception, its death, a hang past ``step_timeout``) does:
+    ``"raise"`` ends the collection with the error; ``"restart"`` replaces the worker and goes on
+    (at most ``max_restarts`` times within ``restart_window`` seconds)."""
+    max_restarts: int = 3
+    """With ``on_worker_failure="restart"``: replacements allowed within ``restart_window``; one
+    more failure raises."""
+    restart_window: float | None = 60.0
+    """Seconds over which ``max_restarts`` counts (``None``: the whole run)."""
+    step_timeout: float | None = None
+    """Seconds a worker may spend in one env ``step``/``reset`` or one policy call before it is
+    declared hung (:class:`WorkerTimeoutError`, or a restart). ``None``: never."""
+    profile: Any = None
+    """A :class:`ProfileConfig`: profile from the start (same as :meth:`Collector.enable_profile`)."""
+    check_finite: bool = False
+    """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or a policy's action
+    (a vectorized check per step and key; off by default)."""
+    action_bounds: ActionBounds = "pass"
+    """A policy's action outside its Box space's bounds: ``"pass"`` gives it to the env as it is,
+    ``"clip"`` gives the env ``np.clip(action, low, high)`` (the batch keeps the policy's action),
+    ``"error"`` raises :class:`SpecError`. Random actions are never touched."""
+    device: Any = None
+    """Fills ``policy_device`` and ``storing_device`` where they are not given (TorchRL's
+    meaning; the envs always step on the CPU)."""
+    policy_device: Any = None
+    """Where the policy runs: ``"cpu"``, or a CUDA device with ``inference="server"`` (the
+    policy object is moved there once). ``None``: worker inference on the CPU; the server where
+    the policy's parameters are."""
+    env_device: Any = None
+    """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
+    worker_groups: int = 1
+    """``inference="server"``: ``2`` splits each worker's envs into two groups that alternate, so
+    that the server computes one group's actions while the worker steps the other (rlpyt's
+    ``AlternatingSampler``); ``envs_per_worker`` must be even. Single envs only."""
+    env_batch_size: int | None = None
+    """``inference="server"``: a forward pass waits until at least this many envs wait for actions
+    (whole workers' envs; or until every other worker is between batches), instead of serving
+    whoever waits at once (``None``). Larger passes for a GPU, without a slow worker stalling the
+    others for longer than it takes ``env_batch_size`` envs to be ready."""
+    server_priority: Literal["normal", "idle"] = "normal"
+    """``inference="server"``: the scheduling priority of the server's thread. ``"idle"`` runs it
+    under Linux's ``SCHED_IDLE``: it gives way at once to any other thread that wants its core, so a
+    forward pass never delays the event loop's wakeups (on a 2-core machine with a Nature-CNN on
+    Pong, the loop's p99 lag went from 3.2 to 0.6 ms with one worker and from 3.9 to 2.7 ms with two,
+    at equal or better frames per second; see ``docs/inference.md``). Its cost: on a machine busy
+    with other work (your training on the CPU in another thread, other processes), the server only
+    gets the CPU left over, and collection all but stops (Pong beside a busy trainer thread: 22
+    frames/s against 1,217 at normal priority); a warning on the ``aiocollect`` logger says so
+    when the server's thread waits for a CPU more than 60% of the time. For a spare CPU or a GPU
+    trainer, not for training on the same CPUs."""
+    compile_policy: bool | dict = False
+    """``inference="server"``: run the policy through ``torch.compile`` (``True``, or a dict of
+    its keyword arguments); compiled during start-up, for every number of rows a forward pass can
+    have (not counted as collection)."""
+    cudagraph_policy: bool | dict = False
+    """``inference="server"`` on a CUDA ``policy_device``: replay the policy's forward passes as
+    CUDA graphs (tensordict's ``CudaGraphModule``; ``True`` or a dict of its keyword arguments)."""
+    storing_device: Any = None
+    """Where delivered batches live: ``None``/``"cpu"`` (shared memory, lent or copied), or a CUDA
+    device (each batch copied to it once, in a thread, and its slots handed back at once)."""
+    backend: Literal["process", "local", "ray"] | None = None
+    """Where the workers run: ``"process"`` (worker processes forked on this machine; the default
+    with ``num_workers>=1``), ``"local"`` (the collector's own process and event loop; the default,
+    and the only choice, with ``num_workers=0``), or ``"ray"`` (each worker a Ray actor, on any
+    node of a Ray cluster; needs ``pip install 'aiocollect[ray]'``; see ``docs/ray.md``)."""
+    ray_actor_options: dict | Sequence[dict] | None = None
+    """``backend="ray"``: options for each worker's actor (``num_cpus`` (default 1), ``num_gpus``,
+    ``resources``, ``memory``, ``scheduling_strategy`` for a placement group or node affinity,
+    ``runtime_env`` ...), as Ray's ``.options()`` takes them; one dict for every actor or a list of
+    one per worker."""
+    worker_cpus: Any = None
+    """The CPUs the worker processes may run on (Linux's CPU affinity, set by each worker before
+    it makes its envs and kept by a replacement): ``None`` leaves them to the kernel; a set of CPU
+    numbers is for every worker (``range(1, 4)``: the kernel spreads them over CPUs 1 to 3); a
+    list of one set per worker places each (``[[1], [2]]``). Each CPU must be one this process may
+    run on (``os.sched_getaffinity(0)``). With ``inference="server"`` on a machine with fewer cores
+    than busy threads, keeping the workers off one core (``sorted(os.sched_getaffinity(0))[1:]``)
+    leaves it to the event loop and the server's thread: with ``server_priority="idle"``, 2 workers
+    of Pong on 2 cores, the loop's p99 lag went from 1.9 to 0.6 ms at 0.78 of worker inference's
+    frames per second (0.76 without; see ``docs/inference.md``). ``backend="process"`` only."""
+
+    categorical_action_encoding: bool = True
+    """How a Discrete action is stored: ``True``, its index (``[]`` int64); ``False``, one-hot
+    (``[n]`` int64), as TorchRL's ``GymEnv`` does by default (its ``categorical_action_encoding``
+    option): the policy writes a one-hot action (a single 1), the env gets its index, and random
+    actions are stored one-hot too. Single envs only (not vector envs)."""
+
+    def cpus_for(self, worker: int) -> tuple[int, ...] | None:
+        """The CPUs of ``worker`` (``None``: wherever the kernel puts it)."""
+        return None if self.worker_cpus is None else self.worker_cpus[worker]
+
+    @property
+    def backend_name(self) -> str:
+        """``backend``, with its default filled in."""
+        if self.backend is not None:
+            return self.backend
+        return "local" if self.num_workers == 0 else "process"
+
+    @property
+    def stores_on_cuda(self) -> bool:
+        """Batches are copied to a CUDA ``storing_device`` (none is lent)."""
+        if self.storing_device is None and self.device is None:
+            return False
+        storing = self.devices["storing_device"]
+        return storing is not None and storing.type == "cuda"
+
+    @functools.cached_property
+    def devices(self) -> dict[str, Any]:
+        """``policy_device``, ``env_device`` and ``storing_device`` as ``torch.device`` (or None),
+        with ``device`` filled in (checked at construction; worked out once)."""
+        from .devices import resolve_devices
+
+        return resolve_devices(self)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_workers, int) and self.num_workers > 0:
+            check_platform("Collector(num_workers>=1)")
+        fn = self.create_env_fn
+        if isinstance(fn, str):
+            check_env_id(fn)
+        elif not callable(fn):
+            raise ConfigError(
+                f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env"
+            )
+        positive_int("frames_per_batch", self.frames_per_batch)
+        if isinstance(self.total_frames, bool) or not isinstance(self.total_frames, int):
+            raise ConfigError(f"total_frames={self.total_frames!r} must be an int (-1 for endless)")
+        if self.total_frames != -1:
+            if self.total_frames <= 0:
+                raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 to collect forever")
+            if self.total_frames % self.frames_per_batch:
+                # TorchRL's collectors warn and collect up to the next whole batch: so do we (a
+                # ported script keeps its numbers)
+                lower = self.total_frames // self.frames_per_batch * self.frames_per_batch
+                upper = lower + self.frames_per_batch
+                warnings.warn(
+                    f"total_frames={self.total_frames} is not a multiple of frames_per_batch={self.frames_per_batch}: "
+                    f"collecting {upper} frames ({upper // self.frames_per_batch} whole "
+                    f"batch{'es' * (upper > self.frames_per_batch)}), "
+                    f"{upper - self.total_frames} more, as TorchRL does. Pass total_frames={upper}"
+                    + (f" (or {lower})" if lower else "") + " to silence this warning.",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                object.__setattr__(self, "total_frames", upper)
+        positive_int("num_workers", self.num_workers, allow_zero=True)
+        check_worker_count(self.num_workers)
+        positive_int("envs_per_worker", self.envs_per_worker)
+        check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker' or 'server'", "traj_format": "'pad' (or 'padded') or 'cat'",
+                           "on_worker_failure": "'raise' or 'restart'"})
+        if self.delivery not in ("sync", "async"):
+            raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
+        if self.inference not in ("worker", "server"):
+            raise ConfigError(f"inference={self.inference!r} must be 'worker' or 'server'")
+        self._check_worker_cpus()
+        self._check_backend()
+        check_policy_args(self.policy, self.policy_factory)
+        if self.inference == "server":
+            from .inference_server import check_server_config
+
+            check_server_config(self)
+        elif self.worker_groups != 1:
+            raise ConfigError(
+                f"worker_groups={self.worker_groups!r} alternates groups of envs around the inference server's "
+                f"forward passes; use inference='server' (with worker inference each worker acts for all its envs)"
+            )
+        elif self.env_batch_size is not None:
+            raise ConfigError(
+                f"env_batch_size={self.env_batch_size!r} sizes the inference server's forward passes; use "
+                f"inference='server' (worker inference runs one pass per worker over its own envs)"
+            )
+        if not isinstance(self.server_priority, str) or self.server_priority not in ("normal", "idle"):
+            raise ConfigError(f"server_priority={self.server_priority!r} must be 'normal' or 'idle'")
+        if self.server_priority != "normal":
+            if self.inference != "server":
+                raise ConfigError(
+                    f"server_priority={self.server_priority!r} is the priority of the inference server's thread; use "
+                    f"inference='server' (with worker inference there is no server)"
+                )
+            if not hasattr(os, "SCHED_IDLE"):  # pragma: no cover - Linux has it
+                raise ConfigError("server_priority='idle' needs Linux's SCHED_IDLE scheduling policy")
+        from .inference_server import check_wrapping
+
+        check_wrapping(self)
+        if any(getattr(self, name) is not None for name in ("device", "policy_device", "env_device", "storing_device")):
+            self.devices  # noqa: B018 - checked now (and kept)
+        factory = self.policy_factory
+        if isinstance(factory, (list, tuple)):
+            if len(factory) != self.workers:
+                raise ConfigError(
+                    f"policy_factory={factory!r:.200} is a list of {len(factory)} factories but there are {self.workers} "
+                    f"workers (num_workers={self.num_workers}); pass one factory per worker, or a single callable for all"
+                )
+            bad = [i for i, f in enumerate(factory) if not callable(f)]
+            if bad:
+                raise ConfigError(
+                    f"policy_factory[{bad[0]}]={factory[bad[0]]!r} is not callable (policy_factory={factory!r:.200}); "
+                    f"pass functions that build the policy"
+                )
+            object.__setattr__(self, "policy_factory", tuple(factory))
+        elif factory is not None and not callable(factory):
+            raise ConfigError(
+                f"policy_factory={factory!r} is not callable; pass a function that builds the policy, "
+                f"or a list of one per worker"
+            )
+        check_kwargs("create_env_kwargs", self.create_env_kwargs)
+        envs = self.envs_per_batch
+        if self.frames_per_batch % envs:
+            who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
+            lower = self.frames_per_batch // envs * envs
+            raise ConfigError(
+                f"frames_per_batch={self.frames_per_batch} is not a multiple of the {envs} envs that fill "
+                f"each batch ({who}); use frames_per_batch={lower + envs}" + (f" or {lower}" if lower else "")
+            )
+        if self.max_frames_per_traj is not None:
+            positive_int("max_frames_per_traj", self.max_frames_per_traj)
+        if self.init_random_frames is not None:
+            positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
+        for name in ("reset_at_each_iter", "split_trajs", "progress", "categorical_action_encoding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.progress:
+            from .._service.progress import check_available
+
+            check_available()
+        object.__setattr__(self, "exploration_type", exploration_name(self.exploration_type))
+        check_seed(self.seed, offset=self.seed_offset)
+        positive_int("prefetch", self.prefetch, allow_zero=True)
+        if self.zero_copy not in (False, True, "debug") or type(self.zero_copy) not in (bool, str):
+            raise ConfigError(f"zero_copy={self.zero_copy!r} must be False, True or 'debug'")
+        if self.zero_copy and self.trajs_per_batch is not None:
+            raise ConfigError(
+                f"zero_copy={self.zero_copy!r} and trajs_per_batch={self.trajs_per_batch} cannot be combined: "
+                "trajs_per_batch keeps frames across batches, so it copies them anyway; drop zero_copy"
+            )
+        self.check_slot_memory()
+        if self.trajs_per_batch is not None:
+            positive_int("trajs_per_batch", self.trajs_per_batch)
+            if self.split_trajs:
+                raise ConfigError(
+                    f"trajs_per_batch={self.trajs_per_batch} and split_trajs=True both reshape batches into trajectories; "
+                    "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
+                )
+        check_data_options(self.check_finite, self.action_bounds)
+        if self.traj_format == "padded":  # TorchRL's spelling of the same layout
+            object.__setattr__(self, "traj_format", "pad")
+        if self.traj_format not in ("pad", "cat"):
+            raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' (or TorchRL's 'padded') or 'cat'")
+        if not isinstance(self.update_at_each_batch, bool):
+            raise ConfigError(f"update_at_each_batch={self.update_at_each_batch!r} must be True or False")
+        if self.update_at_each_batch and self.policy is None:
+            raise ConfigError(
+                "update_at_each_batch=True pulls the weights of `policy` before each batch, but no policy "
+                "was given; pass the policy module (policy_factory builds replicas in the workers only)"
+            )
+        if self.postproc is not None and not callable(self.postproc):
+            raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
+        if isinstance(self.shutdown_timeout, bool) or not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+        if isinstance(fn, str) and self.num_workers > 0:
+            from .._core.registry import check_sendable
+
+            check_sendable(fn)  # the id's spec must reach the worker processes
+        if self.num_workers > 0:
+            check_sendable_to_workers(fn, self.create_env_kwargs)
+
+        if self.on_worker_failure not in ("raise", "restart"):
+            raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")
+        positive_int("max_restarts", self.max_restarts, allow_zero=True)
+        if self.restart_window is not None:
+            positive_seconds("restart_window", self.restart_window, "or None to count over the whole run")
+        if self.step_timeout is not None:
+            positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+            if self.num_workers == 0:
+                raise ConfigError(
+                    f"step_timeout={self.step_timeout!r} needs worker processes: with num_workers=0 the envs step "
+                    f"in the event loop's own thread, where a hung env cannot be watched or killed; use "
+                    f"num_workers>=1"
+                )
+        if self.profile is not None:
+            from .._core.profiling import ProfileConfig
+
+            if not isinstance(self.profile, ProfileConfig):
+                raise ConfigError(f"profile={self.profile!r} must be a ProfileConfig or None")
+            bad = [w for w in self.profile.workers if w >= self.workers]
+            if bad:
+                raise ConfigError(
+                    f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
+                    f"collector has {self.workers} (indices 0..{self.workers - 1})"
+                )
+
+    def _check_backend(self) -> None:
+        backend = self.backend
+        if backend is not None and (not isinstance(backend, str) or backend not in ("process", "local", "ray")):
+            raise ConfigError(f"backend={backend!r} must be 'process', 'local' or 'ray' (or None: chosen by num_workers)")
+        if backend == "local" and self.num_workers != 0:
+            raise ConfigError(
+                f"backend='local' runs the envs in the collector's own process, but num_workers={self.num_workers}; "
+                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
+            )
+        if backend in ("process", "ray") and self.num_workers == 0:
+            what = "worker processes" if backend == "process" else "Ray actors"
+            raise ConfigError(
+                f"backend={backend!r} runs the envs in {what}, but num_workers=0; use num_workers>=1 "
+                f"(num_workers=0 is the local backend)"
+            )
+        if self.ray_actor_options is not None and backend != "ray":
+            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
+        if backend != "ray":
+            return
+        for option, value, default in (("inference", self.inference, "worker"), ("profile", self.profile, None)):
+            if value != default:
+                what = {"inference": "server inference (the workers share memory with the collector's server)",
+                        "profile": "the profiler (its traces are files on the workers' machine)"}[option]
+                raise ConfigError(
+                    f"backend='ray' does not support {what} yet: {option}={value!r}; use backend='process' for it"
+                )
+        from .._backends.ray import check_actor_options
+
+        check_actor_options(self.ray_actor_options, self.workers)
+
+    def _check_worker_cpus(self) -> None:
+        if self.worker_cpus is None:
+            return
+        backend = self.backend_name
+        if backend == "local":
+            raise ConfigError(
+                "worker_cpus places worker processes, but with num_workers=0 the envs run in this process; use "
+                "num_workers>=1, or set this process's CPUs yourself (os.sched_setaffinity(0, cpus))"
+            )
+        from .._core.affinity import normalize_cpus, not_on_ray
+
+        if backend == "ray":
+            raise not_on_ray("worker_cpus", "worker processes")
+        object.__setattr__(self, "worker_cpus", normalize_cpus(self.worker_cpus, self.workers))
+
+    @property
+    def seed_offset(self) -> int:
+        """The largest seed derived from ``seed`` is ``seed + seed_offset``: env ``k`` gets
+        ``seed + k``, worker ``w``'s torch generator ``seed + total_envs + w``."""
+        return self.total_envs + self.workers - 1
+
+    @property
+    def lend_slots(self) -> int:
+        """Slots per worker that may be lent to the consumer as batches (``_pool.Loans``): without
+        ``zero_copy``, the batches ahead, the one being delivered and the one the consumer still
+        holds while it asks for the next (a loop's variable); none with ``zero_copy``
+        (its batches hold their slots until the next one is asked for) or ``trajs_per_batch``
+        (which copies frames anyway)."""
+        if self.zero_copy or self.trajs_per_batch is not None or self.stores_on_cuda:
+            return 0
+        return self.prefetch + 2
+
+    @property
+    def num_slots(self) -> int:
+        """Batch slots per worker: ``prefetch`` ahead, one being filled, and with ``zero_copy``
+        one more held by the consumer, or the slots that may be lent (:attr:`lend_slots`)."""
+        return max(2, self.prefetch + 1) + (1 if self.zero_copy else self.lend_slots)
+
+    def check_slot_memory(self, layout: Any = None, extra_nbytes: int = 0) -> None:
+        """The batch slots of every worker must fit in this machine's memory.
+
+        At construction (no ``layout``) a lower bound, so that nothing that could work is refused:
+        ``MIN_FRAME_NBYTES`` per frame against RAM and swap. When a run starts, once the workers
+        reported their spaces, ``layout`` (the run's ``SlotLayout``) gives the real figure: every
+        slot of every worker (``prefetch`` ahead, the one being filled, those lent to the consumer
+        or held by ``zero_copy``), ``extra_nbytes`` on top (the workers' heartbeats) and one batch
+        copied out of the slots (made when a batch cannot be lent), against the shared memory that
+        can be filled now (``_shm.available``) less a headroom for the rest of the program
+        (``_shm.headroom``: 10%, at least 256 MiB). This runs before the slots are allocated: a
+        memfd's pages are taken only when written, so an oversized segment would be accepted and
+        then filled towards the OOM killer."""
+        slots = self.num_slots
+        per_worker = "" if self.delivery == "sync" else f" x {self.workers} workers (delivery='async')"
+        what = f"frames_per_batch={self.frames_per_batch} with prefetch={self.prefetch} ({slots} batch slots{per_worker}"
+        if layout is None:
+            frames = slots * self.frames_per_batch * (1 if self.delivery == "sync" else self.workers)
+            check_fits_in_memory(
+                frames * MIN_FRAME_NBYTES, f"{what} in shared memory, {MIN_FRAME_NBYTES} bytes per frame or more)",
+                "use a smaller frames_per_batch or prefetch",
+            )
+            return
+        from .._core import shm as _shm
+
+        probe = _shm.available()
+        if probe is None:
+            return  # (not known here: the lower bound above was checked at construction)
+        have, source = probe
+        keep = _shm.headroom(have)
+        frame = sum(leaf.np_dtype.itemsize * math.prod(leaf.shape) for leaf in layout.leaves)
+        rows = layout.num_envs * (layout.workers if self.delivery == "sync" else 1)  # env rows of a batch
+        batch = rows * layout.frames_per_env
+
+        def needs(frames: int) -> int:
+            built = type(layout).build(list(layout.leaves), layout.num_envs, frames // rows, layout.num_slots, layout.workers)
+            return built.nbytes + extra_nbytes + frames * frame
+
+        need = needs(batch)
+        if need <= have - keep:
+            return
+        # a batch of f frames takes about f * per_frame bytes, plus what does not grow with it
+        # (alignment): an estimate, then the exact figure a row of frames at a time around it
+        per_frame = frame * (layout.num_slots * layout.workers * layout.num_envs // rows + 1)
+        largest = max((have - keep - max(need - batch * per_frame, 0)) // per_frame // rows * rows, 0)
+        while needs(largest + rows) <= have - keep:
+            largest += rows
+        while largest > 0 and needs(largest) > have - keep:
+            largest -= rows
+        counts = f"prefetch={self.prefetch}, num_workers={self.num_workers} and envs_per_worker={self.envs_per_worker}"
+        raise ConfigError(
+            f"{what} of {batch:,} frames of {frame:,} bytes, and one copy of a batch) needs {format_size(need)} of shared "
+            f"memory, more than this machine can give now: {format_size(have)} ({source}), less {format_size(keep)} kept for "
+            f"the rest of the program; "
+            + (f"the largest frames_per_batch that fits with {counts} is {largest}" if largest else
+               f"no frames_per_batch fits with {counts}")
+            + "; " + ("a smaller prefetch, " if self.prefetch else "") + "fewer envs (num_workers, envs_per_worker)"
+            + ("" if self.zero_copy or not self.lend_slots else
+               f" or zero_copy=True (1 slot per worker held by the consumer instead of {self.lend_slots} lent)")
+            + " also help"
+        )
+
+    def factory_for(self, worker: int) -> Callable[[], Any] | None:
+        """The policy factory of ``worker`` (``None``: the workers copy ``policy``)."""
+        f = self.policy_factory
+        return f[worker] if isinstance(f, (list, tuple)) else f  # type: ignore[return-value]
+
+    @property
+    def workers(self) -> int:
+        """Number of rollout workers (1 for the local backend)."""
+        return max(self.num_workers, 1)
+
+    @property
+    def total_envs(self) -> int:
+        return self.workers * self.envs_per_worker
+
+    @property
+    def envs_per_batch(self) -> int:
+        """Envs whose frames make up one delivered batch."""
+        return self.total_envs if self.delivery == "sync" else self.envs_per_worker
+
+    @property
+    def frames_per_env(self) -> int:
+        """``T``: frames each env contributes to a batch."""
+        return self.frames_per_batch // self.envs_per_batch
+
+    @property
+    def total_batches(self) -> int | None:
+        return None if self.total_frames == -1 else self.total_frames // self.frames_per_batch
+
+    @property
+    def random_steps(self) -> int:
+        """Steps of each env taken with random actions (``init_random_frames`` spread evenly)."""
+        return -(-(self.init_random_frames or 0) // self.total_envs)

@@ -1,0 +1,236 @@
+"""Starting and stopping one run's worker pool: the policy as the workers get it, their rollout
+configs, the worker processes (or the in-process local worker), the slots' shared memory and the
+weight store; and taking it all down again. The run itself (:class:`~aiocollect._collector.run.Run`) calls
+these from its task."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._core import heartbeat as _heartbeat
+from .._core import shm as _shm
+from .._core.errors import AiocollectError, SpecError
+from .._backends.launcher import get_launcher
+from .._core.layout import SlotLayout, frame_leaves
+from .._worker.policy import PolicySpec, describe
+from .producer import whole_slots
+from .._service.resource import in_own_thread
+from .._worker.rollout import RolloutConfig
+from .._worker.vector import learn_sub_envs
+from .._backends.workers import LocalWorker, setup_process_slots, start_process_workers
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+async def import_in_thread(module: str, give_up_after: float | None = None) -> None:
+    """Import ``module`` in a thread of its own that ends with the import, while the event loop
+    keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
+    start; torch's import code still holds the GIL for up to ~0.1 s at times. Cancelled, it
+    waits ``give_up_after`` seconds more for the import, then leaves it to finish in its thread."""
+    await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}", give_up_after=give_up_after)
+
+
+def _free_unlent_slots(run: "Run") -> None:
+    """The workers are gone, and batches lent to the consumer keep the slots' segment mapped for
+    as long as it keeps them: free the memory of every other slot, and of the heartbeats, now."""
+    layout = run.layout
+    lent = {slot for loan in run.producer.loans.out for _, slot in loan.parts}  # type: ignore[union-attr]
+    mapping = run.segment[1]  # type: ignore[index]
+    for slot in range(layout.num_slots):  # type: ignore[union-attr]
+        if slot not in lent:
+            _shm.discard(mapping, slot * layout.slot_nbytes, layout.slot_nbytes)  # type: ignore[union-attr]
+    _shm.discard(mapping, layout.nbytes, len(mapping) - layout.nbytes)  # type: ignore[union-attr]
+
+
+async def stop_workers(run: "Run") -> None:
+    """Stop every worker (killed after shutdown_timeout), release the slots' segment and the
+    weight stores; also when the event loop is going away (nothing awaited then)."""
+    workers = run.workers
+    run.workers_ready = False
+    try:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(w.stop, run.config.shutdown_timeout)
+    except BaseException:
+        for w in workers:  # the event loop is going away: no more awaiting
+            w.stop_nowait()
+        raise
+    finally:
+        run.sync.close()
+        if run.server is not None:  # (after the workers: none waits for an answer now)
+            run.stats.server = run.stats.server_totals(run.server)
+            run.server.stop()
+            run.server = None
+        if run.segment is not None:  # (the mapping stays while batch views use it)
+            if run.producer is not None and run.producer.loans.out:
+                _free_unlent_slots(run)
+            os.close(run.segment[0])
+            run.segment = None
+        run.slot_views = []
+        if run.producer is not None:
+            run.producer.pool.clear()
+            run.producer.loans.clear()  # (a lent batch the consumer keeps keeps its mapping itself)
+
+
+async def launch_workers(run: "Run") -> None:
+    """Start the workers (in-process for ``num_workers=0``), learn their batch leaves, lay out
+    and share the slots and the weight store; the run is then ready to grant credits."""
+    c = run.config
+    if c.num_workers == 0:
+        factory = c.factory_for(0)
+        local_policy = c.policy is not None or factory is not None
+        spec = PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type)
+        run.configs = rollout_configs(run, [spec])
+
+        # a replica, as in a worker: the caller's module may change under training (the local
+        # rollout yields to the loop mid-batch), weights change only by update_weights (copied
+        # here, in the loop: never while the caller's task changes it)
+        replica = copy.deepcopy(c.policy) if c.policy is not None else None
+
+        def build() -> LocalWorker:
+            policy = replica if replica is not None or factory is None else factory()
+            return LocalWorker(run.configs[0], policy)
+
+        # the factories run in a thread, so that cancelling the start-up is not held up by one
+        # that never returns: after shutdown_timeout it is left to finish there (a thread cannot
+        # be killed), and what it builds is closed then
+        local = await in_own_thread(build, "aiocollect local start-up", give_up_after=c.shutdown_timeout,
+                                    discard=LocalWorker.stop_nowait)
+        run.workers = [local]
+        specs = [local.rollout.spec()]
+    else:
+        per_worker = isinstance(c.policy_factory, tuple)
+        policy_specs = [policy_spec(run, i if per_worker else None) for i in range(c.workers if per_worker else 1)]
+        if not per_worker:
+            policy_specs *= c.workers  # one spec for every worker: pickled once
+        run.configs = rollout_configs(run, policy_specs)
+        if c.backend_name == "ray":
+            from .._backends.ray import check_actor_options, start_ray_workers
+
+            actors, specs = await start_ray_workers(run.configs, check_actor_options(c.ray_actor_options, c.workers))
+            run.workers = list(actors)
+        else:
+            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
+            workers, specs = await start_process_workers(run.configs, needs, get_launcher(), c.shutdown_timeout)
+            run.workers = list(workers)
+    run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
+    batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
+    for i, s in enumerate(batch_specs[1:], 1):
+        if s != batch_specs[0]:
+            raise SpecError(
+                f"worker {i} reports batch leaves {s} but worker 0 reports {batch_specs[0]}: every env "
+                f"must have the same spaces and every worker's policy the same outputs"
+            )
+    extras = specs[0]["extras"]
+    if c.inference == "server":
+        extras = await start_server(run, specs[0])
+    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras, step_count=c.max_frames_per_traj is not None)
+    T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
+    run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
+    # the real bytes per frame are known now: refuse a run whose slots cannot fit, before any is filled
+    c.check_slot_memory(run.layout, len(run.workers) * _heartbeat.NBYTES)
+    store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
+    if c.num_workers == 0:
+        run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
+        if run.sync.store is not None:
+            await run.workers[0].give_store(run.sync.store)  # type: ignore[attr-defined]  # (a LocalWorker)
+    elif c.backend_name == "ray":
+        from .._backends.ray import setup_ray_slots
+
+        run.segment = setup_ray_slots(run.workers, run.layout, run.sync.store, c.step_timeout is not None)  # type: ignore[arg-type]
+    else:
+        weight_layout = None if run.sync.store is None else run.sync.store.layout
+        run.segment = await setup_process_slots(
+            run.workers, run.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
+        )
+    run.slot_views = whole_slots(run.layout, run.segment[1])
+    if run.server is not None:
+        run.server.start()
+    run.workers_ready = True
+    run.profiling.start()
+    if c.progress:
+        from .._service.progress import make_bar
+
+        run.bar = make_bar(c.total_frames, run.frames)
+
+
+async def start_server(run: "Run", spec: dict) -> list:
+    """Server inference: the server for the workers' spaces (the policy built here from
+    ``policy_factory`` if there is no ``policy``), its shared memory and each worker's link to
+    it. Returns the policy's extra outputs (part of the batch layout)."""
+    from .inference_server import InferenceServer
+
+    c = run.config
+    policy = c.policy if c.policy is not None else c.factory_for(0)()  # type: ignore[misc]
+    groups = c.worker_groups
+    server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
+                             c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size,
+                             c.server_priority)
+    run.server = server
+    extras = server.probe()
+    if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)
+        await in_own_thread(server.warm_up, "aiocollect server warm-up")
+    server.allocate(extras)
+    for w in run.workers:
+        w.server_link = server.link(w.index, groups)  # type: ignore[attr-defined]
+    return extras
+
+
+def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
+    """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
+    c = run.config
+    if c.inference == "server":  # the workers only step envs: the policy stays here
+        return PolicySpec("server", exploration_type=c.exploration_type)
+    factory = c.factory_for(worker or 0)
+    try:
+        return describe(c.policy, factory, c.exploration_type)
+    except Exception as exc:
+        what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
+        raise AiocollectError(
+            f"{what} could not be pickled for the workers ({type(exc).__name__}: {exc}); "
+            f"pass policy_factory=<a picklable function that builds it> instead"
+        ) from exc
+
+
+def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+    from .._core.registry import snapshot
+
+    c = run.config
+    counters = tuple(run.start_counters) if run.start_counters else None
+    # ids registered in this process, for the workers: packed once, sent to each as bytes
+    env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
+    registry = snapshot(env_id) if c.num_workers else ()
+    return [
+        RolloutConfig(
+            env_fn=c.create_env_fn,
+            env_kwargs=dict(c.create_env_kwargs or {}),
+            policy=policy_specs[i],
+            worker=i,
+            envs_per_worker=c.envs_per_worker,
+            total_envs=c.total_envs,
+            frames_per_env=c.frames_per_env,
+            seed=run.seed,
+            static_seed=run.static_seed,
+            max_frames_per_traj=c.max_frames_per_traj,
+            random_steps=max(c.random_steps - run.frames // c.total_envs, 0),
+            reset_at_each_iter=c.reset_at_each_iter,
+            traj_counters=counters,
+            registry=registry,
+            check_finite=c.check_finite,
+            action_bounds=c.action_bounds,
+            worker_groups=c.worker_groups,
+            cpus=c.cpus_for(i),
+            one_hot_actions=not c.categorical_action_encoding,
+        )
+        for i in range(c.workers)
+    ]
+
+
+__all__ = ["import_in_thread", "launch_workers", "policy_spec", "rollout_configs", "stop_workers"]

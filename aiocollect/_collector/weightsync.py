@@ -1,0 +1,445 @@
+"""The collector's side of weight synchronisation: the shared weight store (or one per worker
+when their policies differ), versions, per-worker acknowledgements, and turning what a user
+passes to ``update_weights`` into the tensors of each worker's policy."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import time
+import weakref
+from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+import anyio
+
+from .._core import shm as _shm
+from .. import events as ev
+from .._core.errors import AiocollectError, BrokenWorkerError, ConfigError
+
+_KEEP = 1024  # publication times kept for the latency of WeightsApplied
+log = logging.getLogger("aiocollect")
+
+
+class Updates(dict):
+    """What ``update_weights`` was given, ``{model id: weights or None}``, and how: through
+    ``weights_dict`` or ``policy_or_weights`` (with ``model_id``), so that errors name it."""
+
+    def __init__(self, updates: Mapping[str, Any], *, from_dict: bool) -> None:
+        super().__init__(updates)
+        self.from_dict = from_dict
+
+    def argument(self, model_id: str) -> str:
+        return f"weights_dict[{model_id!r}]" if self.from_dict else "policy_or_weights"
+
+
+def _argument(updates: Mapping[str, Any], model_id: str) -> str:
+    name = getattr(updates, "argument", None)
+    return name(model_id) if name is not None else f"the weights for {model_id!r}"
+
+
+def _index(w: Any) -> int | None:
+    """``w`` as a worker index (an int, a numpy or torch integer scalar; never a bool)."""
+    if isinstance(w, bool) or type(w).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(w)
+    except Exception:  # noqa: BLE001 - TypeError, or whatever an odd __index__ raises
+        return None
+
+
+def check_worker_ids(worker_ids: Any, n: int) -> list[int]:
+    """The workers ``worker_ids`` names (``None``: all ``n``), sorted, without repeats; raises
+    :class:`ConfigError` for anything but an index or a non-empty collection of indices < ``n``."""
+    if worker_ids is None:
+        return list(range(n))
+    one = _index(worker_ids)
+    if one is not None:
+        ids: list[int | None] = [one]
+    elif isinstance(worker_ids, (str, bytes, bytearray, Mapping)) or not isinstance(worker_ids, Iterable):
+        ids = []
+    else:
+        try:
+            ids = [_index(w) for w in worker_ids]
+        except Exception:  # noqa: BLE001 - iterable in name only (a 0-d array), or its iteration failed
+            ids = []
+    if not ids or any(i is None or not 0 <= i < n for i in ids):
+        raise ConfigError(
+            f"worker_ids={worker_ids!r:.100}: this collector has workers 0..{n - 1}; pass None (all of them), "
+            f"a worker index or a list of them"
+        )
+    return sorted(set(ids))  # type: ignore[arg-type]
+
+
+STALE_POLICY = (
+    "aiocollect: the collector's policy (the `policy` given to Collector) was changed in place (trained) "
+    "after the workers were given weight version %d, and another batch was handed out since without an update: the "
+    "workers hold their own copy of the policy and keep collecting with version %d. Publish the weights after "
+    "each training step: `await collector.update_weights(policy)` (blocking code: "
+    "`collector.update_policy_weights_()`), or pass update_at_each_batch=True; for on-policy training (PPO) "
+    "also pass prefetch=0, so that each batch is collected with the newest weights. (Said once per collector; "
+    "if you publish every few batches on purpose, this is expected.)"
+)
+
+
+class InPlaceWatch:
+    """Watches the constructor's ``policy`` (a module, in this process) for changes made in place
+    that were never published. TorchRL's in-process collector steps the user's module itself, so
+    ported scripts train it in place and never publish; here each worker has its own replica, so
+    such a script would collect with the first weights for ever, silently.
+
+    Cheap enough for every batch handed out: it reads each tensor's version counter
+    (``tensor._version``, bumped by every in-place operation on it or a view: optimizer steps,
+    ``copy_``, ``load_state_dict``) and whether a parameter got a new gradient (a backward pass
+    through it: optimizers with ``fused=True`` change parameters without bumping the counter).
+    Changes through ``.data`` are not seen. :meth:`mark` takes the reference (at start and at
+    each publish); :meth:`handed_out` warns once, on the ``aiocollect`` logger, when the policy
+    changed since the last publish and a whole batch interval went by without one (the order
+    ``publish, train, next batch`` is fine)."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.tensors: list[Any] = []  # what update_weights publishes: parameters and persistent buffers
+        self.params: list[Any] = []  # for their gradients
+        self.versions: list[int] = []
+        self.grads: list[Any] = []  # per parameter: None, or (weakref to its gradient, the gradient's version)
+        self.version = 0  # the weight version published at the last mark
+        self.since = 0  # batches handed out since the last mark
+        self.active = False
+        self.warned = False
+
+    def mark(self, version: int) -> None:
+        """The workers get (or got) the policy's weights as they are now. Walks the module (its
+        tensors may have been replaced since: ``policy.to(...)`` makes new buffers)."""
+        try:
+            params: list[Any] = []
+            buffers: list[Any] = []
+            for module in self.policy.modules():  # (what its state dict holds: parameters, persistent buffers)
+                params.extend(p for p in module._parameters.values() if p is not None)
+                skip = module._non_persistent_buffers_set
+                buffers.extend(b for name, b in module._buffers.items() if b is not None and name not in skip)
+            # (inference-mode tensors have no version counter, and cannot be changed in place outside it)
+            self.tensors = [t for t in params + buffers if not t.is_inference()]
+            self.params = [p for p in params if p.requires_grad]
+            self.versions = [t._version for t in self.tensors]
+            self.grads = [None if (g := p.grad) is None else (weakref.ref(g), g._version) for p in self.params]
+        except Exception:  # noqa: BLE001 - an odd module (lazy parameters ...): the watch is advice, never an error
+            self.active = False
+            return
+        self.version, self.since, self.active = version, 0, True
+
+    def changed(self) -> bool:
+        """The policy changed in place (or got new gradients) since :meth:`mark`."""
+        if [t._version for t in self.tensors] != self.versions:
+            return True
+        for p, was in zip(self.params, self.grads):
+            g = p.grad
+            if was is None:
+                if g is not None:
+                    return True
+            elif was[0]() is not g or g._version != was[1]:
+                return True
+        return False
+
+    def handed_out(self) -> None:
+        """A batch was handed to the consumer."""
+        if not self.active or self.warned:
+            return
+        try:
+            changed = bool(self.since) and self.changed()
+        except Exception:  # noqa: BLE001 - (as in mark)
+            self.active = False
+            return
+        if changed:
+            self.warned = True
+            self.active = False  # (said once: nothing more to check)
+            log.warning(STALE_POLICY, self.version, self.version)
+        self.since += 1
+
+
+def watch_for(config: Any) -> InPlaceWatch | None:
+    """A watch over the constructor's policy where the workers run a replica that only
+    ``update_weights`` changes; ``None`` where in-place changes reach the collection anyway
+    (``inference="server"`` runs the module itself) or are published before each batch
+    (``update_at_each_batch``), or where there is no module to watch."""
+    import sys
+
+    nn = sys.modules.get("torch.nn")
+    policy = getattr(config, "policy", None)
+    if nn is None or not isinstance(policy, nn.Module):
+        return None
+    if config.inference == "server" or config.update_at_each_batch:
+        return None
+    return InPlaceWatch(policy)
+
+
+def torchrl_arguments(
+    policy_or_weights: Any, *, weights: Any, policy: Any, worker_ids: Any, model_id: Any, weights_dict: Any,
+    wait: Any, **kwargs: Any,
+) -> dict[str, Any]:
+    """The ``update_weights`` keywords for a call of ``update_policy_weights_`` with TorchRL
+    0.14.1's names (``policy_or_weights``, ``weights=``, ``policy=``, its deprecated
+    ``policy_weights=``, ``worker_ids=``, ``model_id=``, ``weights_dict=``); :class:`ConfigError`
+    for what has no meaning here (devices as worker ids, ``{worker index: weights}``, two ways
+    of passing the weights), :class:`ConfigTypeError` for an unknown keyword."""
+    from .._core.errors import ConfigTypeError
+
+    legacy = kwargs.pop("policy_weights", None)
+    if kwargs:
+        name = next(iter(kwargs))
+        raise ConfigTypeError(
+            f"update_policy_weights_() got the keyword {name}={kwargs[name]!r:.60}, which it does not take: it takes "
+            f"TorchRL's policy_or_weights, weights=, policy=, worker_ids=, model_id= and weights_dict= (and wait=), "
+            f"with the meanings of update_weights()"
+        )
+    given = {name: value for name, value in (
+        ("policy_or_weights", policy_or_weights), ("weights", weights), ("policy", policy), ("policy_weights", legacy),
+    ) if value is not None}
+    if len(given) > 1:
+        first, second = list(given)[:2]
+        raise ConfigError(
+            f"update_policy_weights_() got both {first}= and {second}=: they are the same argument (the weights, or "
+            f"the module that has them); pass one"
+        )
+    source = next(iter(given.values()), None)
+    if isinstance(source, Mapping) and source and all(_index(k) is not None for k in source):
+        raise ConfigError(
+            f"update_policy_weights_() got {{worker index: weights}} (keys {list(source)[:4]}): per-worker weights "
+            f"are published one worker at a time here; call update_policy_weights_(weights, worker_ids=[index]) for "
+            f"each (or `await collector.update_weights(weights, worker_ids=[index])`)"
+        )
+    if _is_device(worker_ids) or (
+        isinstance(worker_ids, (list, tuple)) and worker_ids and all(_is_device(w) for w in worker_ids)
+    ):
+        raise ConfigError(
+            f"worker_ids={worker_ids!r:.80}: TorchRL's collectors may name workers by device; here workers are named "
+            f"by index (0..num_workers-1); pass None (all of them), an index or a list of indices"
+        )
+    out: dict[str, Any] = {"policy_or_weights": source, "worker_ids": worker_ids, "wait": wait}
+    if weights_dict is not None:
+        if model_id is not None:
+            raise ConfigError(
+                f"update_policy_weights_() got both model_id={model_id!r} and weights_dict: weights_dict names its "
+                f"models in its keys; pass one of them"
+            )
+        out["weights_dict"] = weights_dict
+    elif model_id is not None:
+        out["model_id"] = model_id
+    return out
+
+
+def _is_device(obj: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.device)
+
+
+class WeightSync:
+    """Owned by a collector for one run of its workers (made anew by each launch)."""
+
+    def __init__(self, policy: Any, local: bool, emit: Callable[..., Awaitable[None]]) -> None:
+        self.policy = policy  # the constructor's reference policy (None: built by factories)
+        self.local = local  # local backend: stores in process memory
+        self._emit = emit
+        self.store: Any = None  # the store every worker reads (None: no weights, or distinct policies)
+        self.worker_stores: dict[int, Any] = {}  # per-worker stores, made on first need
+        self.layouts: list[Any] = []  # per worker (None: its policy has no weights)
+        self.workers: dict[int, Any] = {}
+        self.version = 0
+        self.acked: list[int] = []
+        self.published_at: dict[int, float] = {}
+        self._changed = anyio.Event()  # set (and replaced) at each acknowledgement
+        self._fds: list[int] = []  # the stores' memfds: kept for workers that replace failed ones
+        self.watch: InPlaceWatch | None = None  # the constructor's policy, watched for unpublished training
+
+    def setup(self, layouts: list[Any], workers: list[Any]) -> dict[int, tuple[int, ...]]:
+        """Workers' policy layouts known: make the shared store if they all have the same one.
+        Returns, per worker, the store fds it must map."""
+        self.layouts = list(layouts)
+        self.workers = {w.index: w for w in workers}
+        self.acked = [0] * len(workers)
+        if self.watch is not None:
+            self.watch.mark(self.version)  # the workers were given the policy as it is now
+        first = self.layouts[0]
+        if first is not None and all(w == first for w in self.layouts):
+            self.store = self._new_store(first, "weights")
+        if self.store is None or self.store.fd is None:
+            return {}
+        return {w.index: (self.store.fd,) for w in workers}
+
+    @property
+    def can_pull(self) -> bool:
+        """``update_at_each_batch`` can publish the reference policy to all workers."""
+        return self.store is not None
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self.store = None  # unmapped once nothing refers to it
+        self.worker_stores.clear()
+        self.workers = {}
+        self.notify()
+
+    def bump(self) -> int:
+        """A new version that no worker will apply (the workers are done): returned so that
+        the caller's version numbers go on counting."""
+        self.version += 1
+        if self.watch is not None:
+            self.watch.mark(self.version)  # (published, as far as the caller can tell: batches still buffered follow)
+        return self.version
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_model_ids(self, updates: Mapping[str, Any]) -> None:
+        """What can be told before the workers' layouts are known (overlaps are found by the
+        tensors the ids name, in :meth:`_state_for`)."""
+        from .._worker.weights import is_model_id
+
+        where = "weights_dict has the model id" if getattr(updates, "from_dict", False) else "model_id="
+        for a in updates:
+            if not is_model_id(a):
+                raise ConfigError(
+                    f"{where}{a!r}: a model is the workers' policy, 'policy', or one of its submodules, "
+                    f"'policy.<path>' (e.g. 'policy.actor')"
+                )
+        missing = [a for a, w in updates.items() if w is None]
+        if missing and self.policy is None:
+            raise ConfigError(
+                f"{_argument(updates, missing[0])}=None: update_weights() needs weights, and this collector was built "
+                f"with policy_factory, so it has no policy of its own to take them from; pass the weights"
+            )
+
+    def check_before_start(self, updates: Mapping[str, Any]) -> None:
+        """Before the workers exist: match ``updates`` against the constructor's policy (each
+        worker's replica has its tensors), so that an update that cannot fit starts nothing."""
+        import torch
+
+        from .._worker.weights import WeightLayout, state_of
+
+        if not isinstance(self.policy, torch.nn.Module):
+            return  # built by factories, or not a module: told by the workers' layouts
+        layout = WeightLayout.of(state_of(self.policy, "policy"))
+        if layout.names:
+            self._state_for(layout, updates, None)
+
+    def targets(self, worker_ids: Any, n: int) -> list[int]:
+        ids = check_worker_ids(worker_ids, n)
+        no_weights = [w for w in ids if self.layouts[w] is None]
+        if no_weights:
+            raise AiocollectError(
+                f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
+                f"has no weights to update (random actions, or a policy that is not an nn.Module)"
+            )
+        return ids
+
+    def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
+        """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
+        from .._worker.weights import match_state, state_of
+
+        state: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for model_id, weights in updates.items():
+            argument = _argument(updates, model_id)
+            try:
+                if weights is None:  # the constructor's policy: the model's part of it
+                    part = match_state(state_of(self.policy), layout, model_id, whole=True, argument="policy")
+                else:
+                    part = match_state(state_of(weights, argument), layout, model_id, argument=argument)
+                both = [n for n in part if n in owner]
+                if both:  # nested ids, or two ids for one submodule (with and without a TensorDictModule's "module.")
+                    raise ConfigError(
+                        f"model ids {owner[both[0]]!r} and {model_id!r} overlap: both update {both[0]!r} of the "
+                        f"workers' policy; pass one of them in weights_dict"
+                    )
+            except ConfigError as exc:
+                if worker is None:
+                    raise
+                raise type(exc)(f"worker {worker}: {exc.args[0]}") from None
+            owner.update(dict.fromkeys(part, model_id))
+            state.update(part)
+        return state
+
+    # -- publishing -----------------------------------------------------------------------------
+    async def publish(self, updates: Mapping[str, Any], targets: list[int]) -> int:
+        """Write ``updates`` ({model id: weights or None}) as one new version for ``targets``;
+        nothing is written unless it fits every target's policy."""
+        shared = self.store is not None and len(targets) == len(self.layouts)
+        if shared:
+            writes = [(self.store, self._state_for(self.store.layout, updates, None))]
+        else:
+            writes, by_layout = [], {}
+            for w in targets:
+                layout = self.layouts[w]
+                if layout not in by_layout:  # workers with the same policy layout: matched once
+                    by_layout[layout] = self._state_for(layout, updates, None if self.store else w)
+                writes.append((w, by_layout[layout]))
+        self.version += 1
+        version = self.version
+        self.published_at[version] = time.perf_counter()
+        for store, state in writes:
+            if not shared:
+                store = await self._worker_store(store)
+            store.publish(state, version)
+        if self.watch is not None:
+            self.watch.mark(version)
+        for w in targets:
+            try:
+                await self.workers[w].nudge()
+            except BrokenWorkerError:
+                pass  # it died: its replacement (if any) reads the newest version when it starts
+        ids = tuple(updates)
+        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+        return version
+
+    async def _worker_store(self, index: int) -> Any:
+        store = self.worker_stores.get(index)
+        if store is None:
+            store = self._new_store(self.layouts[index], f"w{index}-weights")
+            self.worker_stores[index] = store
+            await self.workers[index].give_store(store)
+        return store
+
+    def _new_store(self, layout: Any, name: str) -> Any:
+        from .._worker.weights import WeightStore
+
+        if self.local:
+            store = WeightStore.create(layout, bytearray(layout.nbytes))
+            store.fd = None
+            return store
+        fd, mm = _shm.allocate(layout.nbytes, f"aiocollect-{os.getpid()}-{name}")
+        store = WeightStore.create(layout, mm)
+        store.fd = fd  # closed with the run
+        self._fds.append(fd)
+        return store
+
+    # -- acknowledgements -----------------------------------------------------------------------
+    async def on_applied(self, worker: Any, version: int) -> None:
+        if version > self.acked[worker.index]:
+            self.acked[worker.index] = version
+        self.notify()
+        published = self.published_at.get(version)
+        oldest = min(self.acked)
+        while self.published_at:  # oldest first: drop those applied everywhere, or too old to matter
+            first = next(iter(self.published_at))
+            if first > oldest and len(self.published_at) <= _KEEP:
+                break
+            del self.published_at[first]
+        await self._emit(
+            ev.WeightsApplied, version=version, worker=worker.index,
+            latency=0.0 if published is None else time.perf_counter() - published,
+        )
+
+    def notify(self) -> None:
+        """Wake every waiter of :meth:`wait_applied` (an acknowledgement, or the run changed)."""
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    async def wait_applied(self, version: int, targets: list[int], collecting: Callable[[], bool]) -> bool:
+        """Until every target acknowledged ``version``; ``False`` if the workers stopped
+        collecting first (``collecting()`` turned false)."""
+        while any(self.acked[w] < version for w in targets):
+            if not collecting():
+                return False
+            await self._changed.wait()  # every waiter waits on the same event: none is missed
+        return True

@@ -1,0 +1,117 @@
+"""Which CPUs worker processes run on (``worker_cpus``): checked here, set in each worker.
+
+Linux's CPU affinity (``sched_setaffinity``), set by the worker itself before it makes its envs,
+so that every thread and process it starts afterwards (torch's pool, a vector env's
+subprocesses) inherits it; a replacement worker gets the same CPUs.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any
+
+from .errors import ConfigError
+
+Cpus = tuple[tuple[int, ...], ...]  # one sorted tuple of CPU numbers per worker
+
+
+def cpu_list(cpus: Any) -> str:
+    """``{0, 1, 2, 5}`` as ``"0-2,5"`` (the kernel's way of writing CPU lists)."""
+    out: list[str] = []
+    ordered = sorted(cpus)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _cpu_set(value: Any, what: str, allowed: set[int]) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{what}={value!r} must be CPU numbers (a set, list or range of ints)")
+    cpus = list(value)
+    bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, numbers.Integral)]
+    if bad:
+        raise ConfigError(f"{what} holds {bad[0]!r}, which is not a CPU number (an int)")
+    if not cpus:
+        raise ConfigError(f"{what} is empty: a worker needs at least one CPU to run on")
+    chosen = {int(c) for c in cpus}
+    if chosen - allowed:
+        raise ConfigError(
+            f"{what} names CPU {cpu_list(chosen - allowed)}, which this process may not run on (it may use CPUs "
+            f"{cpu_list(allowed)}: os.sched_getaffinity(0)); choose among those"
+        )
+    return tuple(sorted(chosen))
+
+
+def normalize_cpus(value: Any, workers: int, argument: str = "worker_cpus") -> Cpus | None:
+    """``value`` as one tuple of CPUs per worker (``None`` stays ``None``): a set of CPU numbers
+    for every worker, or a list of one set per worker; :class:`ConfigError` naming what is wrong
+    otherwise (not CPU numbers, an empty set, a CPU this process may not use, a list of the wrong
+    length)."""
+    if value is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - Linux has it
+        raise ConfigError(f"{argument} needs Linux's CPU affinity (os.sched_setaffinity), which this platform lacks")
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(
+            f"{argument}={value!r} must be a set of CPU numbers for every worker (e.g. range(1, 4)) or a list of "
+            f"one set per worker (e.g. [[1], [2]])"
+        )
+    items = list(value)
+    allowed = os.sched_getaffinity(0)
+    nested = [hasattr(x, "__iter__") for x in items]
+    if items and all(nested):
+        if len(items) != workers:
+            raise ConfigError(
+                f"{argument}={value!r:.200} is a list of {len(items)} CPU sets but there are {workers} workers; "
+                f"pass one set per worker, or a single set of CPU numbers for all"
+            )
+        return tuple(_cpu_set(x, f"{argument}[{i}]", allowed) for i, x in enumerate(items))
+    if any(nested):
+        raise ConfigError(
+            f"{argument}={value!r:.200} mixes CPU numbers and sets of them; pass a set of CPU numbers for every "
+            f"worker (e.g. range(1, 4)) or a list of one set per worker (e.g. [[1], [2]])"
+        )
+    shared = _cpu_set(items, argument, allowed)
+    return (shared,) * workers
+
+
+def normalize_cpu_set(value: Any, argument: str) -> tuple[int, ...] | None:
+    """``value``, the CPUs of one worker process, as a sorted tuple (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    items = list(value) if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") else None
+    if items is None or any(hasattr(x, "__iter__") for x in items):
+        raise ConfigError(f"{argument}={value!r:.200} must be one set of CPU numbers (e.g. {{3}} or range(2, 4))")
+    cpus = normalize_cpus(items, 1, argument)
+    return None if cpus is None else cpus[0]
+
+
+def not_on_ray(argument: str, what: str) -> ConfigError:
+    """The error for ``argument`` given with ``backend="ray"``: Ray places its actors itself."""
+    return ConfigError(
+        f"{argument} places {what} on this machine; with backend='ray' Ray places the actors: use "
+        f"ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
+    )
+
+
+def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
+    """In a worker: run this process (and what it starts later) on ``cpus`` only."""
+    if cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"{who} could not be placed on CPUs {cpu_list(cpus)} (worker_cpus): {exc.strerror}; this process may "
+            f"use CPUs {cpu_list(os.sched_getaffinity(0))}",
+        ) from exc
+
+
+__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus", "not_on_ray"]

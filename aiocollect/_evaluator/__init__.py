@@ -1,0 +1,1 @@
+"""The evaluator: its options, its run and the public :class:`~aiocollect.Evaluator`."""

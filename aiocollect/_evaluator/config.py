@@ -1,0 +1,358 @@
+"""The evaluator's options and what follows from them: :class:`EvaluatorConfig` (validated at
+construction, before any process starts), :class:`EvaluatorState`, the settings its worker gets
+(:func:`worker_setup`) and the checks and CPU snapshots of the weights given to an evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import sys
+from typing import Any, Callable, Literal, Mapping
+
+import numpy as np
+
+from .._core.datachecks import ActionBounds
+from .._service.options import (
+    exploration_name,
+    positive_int,
+    positive_seconds,
+    check_data_options,
+    check_env_id,
+    check_kwargs,
+    check_policy_args,
+    check_platform,
+)
+from .._core.errors import ConfigError
+from .._core.eval_wire import EvalWorkerConfig
+from .._core.limits import check_seed
+from .._worker.policy import PolicySpec, classify
+from .._core.registry import snapshot as snapshot_registry
+from .._core.public import public
+
+
+@public
+class EvaluatorState(enum.Enum):
+    """Lifecycle of an :class:`Evaluator`."""
+
+    CREATED = "created"
+    """Constructed; no worker yet."""
+    STARTING = "starting"
+    """Its worker process is starting."""
+    RUNNING = "running"
+    """Ready to evaluate (the worker is replaced on the next evaluation if it died)."""
+    CLOSED = "closed"
+    """Closed: its worker is gone. Cannot be reopened."""
+
+
+@public
+@dataclasses.dataclass(frozen=True)
+class EvaluatorConfig:
+    """Every option of :class:`Evaluator` (see its docstring for the whole story)."""
+
+    env: Any
+    """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env`` (it
+    travels with cloudpickle: lambdas and classes from ``__main__`` or a notebook work). Ids
+    registered in this process before the evaluator is constructed can be made in its worker."""
+    policy: Any = None
+    """``None`` (random actions), an ``nn.Module`` on the observation tensor, a
+    ``TensorDictModule`` or any callable taking and returning a TensorDict. Copied (pickled) at
+    construction; later changes reach evaluations only through ``weights=``."""
+    policy_factory: Callable[[], Any] | None = None
+    """Builds the policy in the worker instead of copying ``policy``."""
+    num_trajectories: int = 10
+    """Episodes per evaluation."""
+    max_steps: int | None = None
+    """Truncate each episode after this many steps (``None``: the env's own limit only)."""
+    exploration_type: str = "deterministic"
+    """tensordict interaction type the policy runs under: deterministic, mode, mean, median, random."""
+    metrics_fn: Callable[[np.ndarray, np.ndarray], Any] | None = None
+    """``metrics_fn(returns, lengths) -> Mapping[str, Any]`` (sync or async), run in this process
+    after each evaluation: ``returns`` (float64) and ``lengths`` (int64) have one entry per episode,
+    in episode order. Its items are added to the metrics (and may replace built-in ones)."""
+    on_result: Callable[[dict], Any] | None = None
+    """``on_result(metrics)`` (sync or async), called after each successful evaluation, after the
+    :class:`~aiocollect.events.EvaluationCompleted` handlers."""
+    busy_policy: Literal["skip", "error", "queue"] = "skip"
+    """What :meth:`Evaluator.trigger` does while an evaluation is pending: ``"skip"`` it (returns
+    False), raise :class:`EvaluatorBusyError` (``"error"``), or ``"queue"`` it (up to
+    ``max_queued``)."""
+    max_queued: int = 4
+    """With ``busy_policy="queue"``: triggered evaluations that may wait behind the running one."""
+    num_envs: int = 1
+    """Envs stepped together in the worker (the policy runs batched over them); at most
+    ``num_trajectories``. The metrics do not depend on it when ``seed`` is set."""
+    env_kwargs: dict | None = None
+    """Keyword arguments for ``env`` (or ``gymnasium.make``)."""
+    seed: int | None = None
+    """Episode ``j`` of every evaluation starts with ``env.reset(seed=seed + j)`` (and a random
+    policy's action space is seeded the same way; torch's RNG with ``seed`` at the start of each
+    evaluation): every evaluation sees the same start states. ``None``: unseeded."""
+    shutdown_timeout: float = 5.0
+    """Seconds the worker gets to close its envs and exit at :meth:`Evaluator.aclose` before it
+    is killed."""
+    nice: int = 0
+    """Added to the worker process's niceness (0 to 19): a positive value lets the collector's
+    workers and the training loop have the CPU first, at the price of slower evaluations on a
+    busy machine. (With the process backend the worker also becomes a session of its own at that
+    niceness, since Linux's autogroups apply ``nice`` only within a session; a Ray actor gets the
+    plain niceness.)"""
+    cpus: Any = None
+    """The CPUs the worker process may run on (Linux's CPU affinity, as the collector's
+    ``worker_cpus`` for one worker): ``None`` leaves it to the kernel, a set of CPU numbers (e.g.
+    ``{3}``) places it; each must be one this process may run on. ``backend="process"`` only."""
+    check_finite: bool = False
+    """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or the policy's action
+    (as :class:`~aiocollect.Collector`'s option of the same name)."""
+    action_bounds: ActionBounds = "pass"
+    """The policy's action outside its Box space's bounds: ``"pass"`` (as it is), ``"clip"`` (the
+    env gets it clipped) or ``"error"`` (:class:`SpecError`); give it the collector's setting, so
+    that evaluation acts as training did."""
+    on_worker_failure: Literal["raise", "restart"] = "raise"
+    """What the worker's death, crash or hang during an evaluation does: ``"raise"`` fails that
+    evaluation; ``"restart"`` runs it again from its start on a new worker (at most
+    ``max_restarts`` times within ``restart_window`` seconds). An env's or policy's exception is
+    not a worker failure: it fails its evaluation either way."""
+    max_restarts: int = 3
+    """With ``on_worker_failure="restart"``: new workers allowed within ``restart_window``; the
+    next failure is raised."""
+    restart_window: float | None = 60.0
+    """Seconds over which ``max_restarts`` counts (``None``: the evaluator's whole life)."""
+    step_timeout: float | None = None
+    """Seconds the worker may spend in one env ``step``/``reset`` or one policy call of an
+    evaluation before it is declared hung and killed (:class:`WorkerTimeoutError`, or a restart).
+    ``None``: never."""
+    backend: Literal["process", "ray"] = "process"
+    """Where the worker runs: ``"process"`` (a process forked on this machine) or ``"ray"`` (a Ray
+    actor, anywhere in the Ray cluster; ``pip install 'aiocollect[ray]'``, see ``docs/ray.md``)."""
+    ray_actor_options: dict | None = None
+    """``backend="ray"``: options for the worker's actor, as Ray's ``.options()`` takes them
+    (``num_cpus`` (default 1), ``resources``, ``scheduling_strategy``, ``runtime_env`` ...)."""
+    categorical_action_encoding: bool = True
+    """A Discrete action as the policy writes it: its index (``True``), or one-hot (``False``,
+    TorchRL ``GymEnv``'s default), as the collector's option of the same name."""
+    log_prefix: str | None = None
+    """``None``: aiocollect's metric names (``return_mean`` ...). A str (TorchRL's default is
+    ``"eval"``): TorchRL's ``Evaluator``'s names instead, ``<log_prefix>/reward``,
+    ``/reward_std`` (``ddof=1``), ``/num_episodes``, ``/episode_length``, ``/fps``, ``/step``
+    (an evaluation counter where no ``step`` is given) and ``/<name>`` for ``metrics_fn``'s items."""
+
+    def __post_init__(self) -> None:
+        check_platform("Evaluator")
+        env = self.env
+        if isinstance(env, str):
+            check_env_id(env, "env")
+        elif not callable(env):
+            raise ConfigError(
+                f"env={env!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
+                f"pass e.g. 'CartPole-v1' or lambda: gymnasium.make('CartPole-v1')"
+            )
+        check_policy_args(self.policy, self.policy_factory)
+        if self.policy_factory is not None and not callable(self.policy_factory):
+            raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable; pass a function that builds the policy")
+        positive_int("num_trajectories", self.num_trajectories, fix="pass the number of episodes per evaluation")
+        if self.max_steps is not None:
+            positive_int("max_steps", self.max_steps, fix="pass None to let episodes run to their end")
+        object.__setattr__(self, "exploration_type", exploration_name(self.exploration_type))
+        for name in ("metrics_fn", "on_result"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name}={value!r} is not callable; pass a function or None")
+        if not isinstance(self.busy_policy, str) or self.busy_policy not in ("skip", "error", "queue"):
+            raise ConfigError(f"busy_policy={self.busy_policy!r} must be 'skip', 'error' or 'queue'")
+        positive_int("max_queued", self.max_queued, fix="it bounds the evaluations waiting with busy_policy='queue'")
+        positive_int("num_envs", self.num_envs, fix="pass 1 to step a single env")
+        if self.num_envs > self.num_trajectories:
+            raise ConfigError(
+                f"num_envs={self.num_envs} is more than num_trajectories={self.num_trajectories}: the extra envs "
+                f"would never run an episode; use num_envs<={self.num_trajectories}"
+            )
+        check_kwargs("env_kwargs", self.env_kwargs)
+        check_seed(self.seed)  # episode j starts with reset(seed=seed + j); torch's generator gets seed
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            raise ConfigError(f"nice={self.nice!r} must be an int from 0 (same priority as the trainer) to 19 (lowest)")
+        timeout = self.shutdown_timeout
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout >= 0 and math.isfinite(timeout)):
+            raise ConfigError(f"shutdown_timeout={timeout!r} must be a finite number of seconds >= 0")
+        check_data_options(self.check_finite, self.action_bounds)
+        if self.on_worker_failure not in ("raise", "restart"):
+            raise ConfigError(
+                f"on_worker_failure={self.on_worker_failure!r} must be 'raise' (fail the evaluation) or 'restart' "
+                f"(run it again on a new worker)"
+            )
+        positive_int("max_restarts", self.max_restarts, allow_zero=True, fix="it bounds the new workers within restart_window")
+        if self.restart_window is not None:
+            positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
+        if self.step_timeout is not None:
+            positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+        if self.cpus is not None:
+            from .._core.affinity import normalize_cpu_set, not_on_ray
+
+            if self.backend == "ray":
+                raise not_on_ray("cpus", "the evaluator's worker process")
+            object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
+        if self.backend == "thread":
+            raise ConfigError(
+                "backend='thread' (TorchRL's default) is not an aiocollect backend: its evaluator runs in a worker "
+                "process of its own, which never holds your event loop or your GIL; use backend='process' (the "
+                "default), or 'ray'"
+            )
+        if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
+            raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")
+        if not isinstance(self.categorical_action_encoding, bool):
+            raise ConfigError(f"categorical_action_encoding={self.categorical_action_encoding!r} must be True or False")
+        if self.log_prefix is not None and (not isinstance(self.log_prefix, str) or not self.log_prefix):
+            raise ConfigError(
+                f"log_prefix={self.log_prefix!r} must be a non-empty str (TorchRL's metric names, e.g. 'eval' gives "
+                f"'eval/reward'), or None for aiocollect's names"
+            )
+        if self.backend == "ray":
+            from .._backends.ray import check_actor_options
+
+            check_actor_options(self.ray_actor_options, 1)
+        elif self.ray_actor_options is not None:
+            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
+
+    @property
+    def actor_options(self) -> dict:
+        """``backend="ray"``: the worker's actor options, with aiocollect's defaults filled in."""
+        from .._backends.ray import check_actor_options
+
+        return check_actor_options(self.ray_actor_options, 1)[0]
+
+
+def on_cpu(policy: Any) -> Any:
+    """``policy``, or a CPU copy of it if it has tensors elsewhere (the worker runs on CPU and
+    must not initialise CUDA to unpickle it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(policy, torch.nn.Module):
+        return policy
+    tensors = itertools.chain(policy.parameters(), policy.buffers())
+    if all(t.device.type == "cpu" for t in tensors):
+        return policy
+    import copy
+
+    return copy.deepcopy(policy).cpu()
+
+
+def weights_state(weights: Any) -> tuple[str, Mapping[str, Any]]:
+    """``(kind, {name: value})`` of the weights given (not copied); raises :class:`ConfigError`
+    for what is not weights."""
+    from .._worker.weights import named
+
+    torch = sys.modules.get("torch")
+    td = sys.modules.get("tensordict")
+    if torch is not None and isinstance(weights, torch.nn.Module):
+        kind, state = "state_dict", weights.state_dict()
+    elif td is not None and isinstance(weights, td.TensorDictBase):
+        kind, state = "params", dict(weights.flatten_keys(".").items())
+    elif isinstance(weights, Mapping):
+        kind, state = "state_dict", weights
+    else:
+        raise ConfigError(
+            f"{named('weights', weights)} is a {type(weights).__name__}: pass an nn.Module, its state_dict(), "
+            f"TensorDict.from_module(module), or None for the weights the policy was built with"
+        )
+    for name in state:
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"{named('weights', weights)} has a key {name!r}; a state dict's keys are parameter names (str): pass "
+                f"module.state_dict()"
+            )
+    return kind, state
+
+
+def weights_payload(weights: Any) -> tuple[str, dict] | None:
+    """``(kind, {name: tensor})`` to send: a CPU snapshot taken now (training may change the
+    parameters before the evaluation runs)."""
+    if weights is None:
+        return None
+    import torch
+
+    kind, state = weights_state(weights)
+    snapshot = {}
+    for name, value in state.items():
+        snapshot[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    return kind, snapshot
+
+
+def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
+    """The pickled :class:`~aiocollect._core.eval_wire.EvalWorkerConfig` for ``c``'s worker, and the
+    modules the worker needs (for the launcher to import once). Raises :class:`ConfigError` for
+    a policy or an env that cannot be pickled."""
+    from .._core import pickling as _pickling
+
+    if c.policy_factory is not None:
+        mode, obj, kind = "factory", c.policy_factory, "factory"
+    elif c.policy is not None:
+        mode, obj, kind = "object", c.policy, classify(c.policy)[0]
+    else:
+        mode, obj, kind = "random", None, "random"
+    if mode == "object":
+        obj = on_cpu(obj)
+    try:
+        payload = _pickling.dumps(obj) if obj is not None else b""
+    except Exception as exc:
+        name = "policy_factory" if mode == "factory" else "policy"
+        raise ConfigError(
+            f"{name}={obj!r:.100} could not be pickled for the evaluator's worker ({type(exc).__name__}: "
+            f"{exc}); pass policy_factory=<a picklable function that builds it> instead"
+        ) from exc
+    # ids registered in this process, for the worker (taken now: the config is sent as is)
+    registry = snapshot_registry(c.env if isinstance(c.env, str) else None, "env")
+    try:
+        worker_config = _pickling.dumps(EvalWorkerConfig(
+            env_fn=c.env,
+            env_kwargs=dict(c.env_kwargs or {}),
+            policy_mode=mode,
+            policy_payload=payload,
+            exploration_type=c.exploration_type,
+            num_envs=c.num_envs,
+            max_steps=c.max_steps,
+            seed=c.seed,
+            nice=c.nice,
+            cpus=c.cpus,
+            registry=registry,
+            check_finite=c.check_finite,
+            action_bounds=c.action_bounds,
+            one_hot_actions=not c.categorical_action_encoding,
+        ))
+    except Exception as exc:
+        raise ConfigError(
+            f"env={c.env!r:.100} (or env_kwargs) could not be pickled for the evaluator's worker "
+            f"({type(exc).__name__}: {exc}); pass a gymnasium id or a function that builds the env"
+        ) from exc
+    needs = PolicySpec(kind).needs
+    td_nn = sys.modules.get("tensordict.nn")
+    if td_nn is not None and isinstance(c.policy, td_nn.TensorDictModuleBase):
+        needs = ("torch", "tensordict")
+    return worker_config, needs
+
+
+def check_request(c: EvaluatorConfig, weights: Any, step: Any) -> None:
+    """The arguments of :meth:`Evaluator.evaluate <aiocollect.Evaluator.evaluate>` /
+    :meth:`~aiocollect.Evaluator.trigger` (before anything starts)."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise ConfigError(f"step={step!r} must be an int or None (it tags the metrics: the training step)")
+    if weights is None:
+        return
+    if c.policy is None and c.policy_factory is None:
+        from .._worker.weights import named
+
+        raise ConfigError(
+            f"{named('weights', weights)} were given, but the evaluator has no policy (random actions): build it "
+            f"with Evaluator(env, policy) to evaluate weights"
+        )
+    weights_state(weights)
+
+
+__all__ = [
+    "EvaluatorConfig",
+    "EvaluatorState",
+    "check_request",
+    "on_cpu",
+    "weights_payload",
+    "weights_state",
+    "worker_setup",
+]

@@ -1,0 +1,482 @@
+"""The evaluator's own task and its state: the queue of evaluations, running them one at a time
+in the worker (:class:`~aiocollect._backends.eval_process.EvalProcess`), replacing a worker that died,
+crashed or hung (``on_worker_failure="restart"``, within the restart budget), computing the
+metrics and reporting them (events, ``on_result``, the waiting caller). The public front is
+:class:`aiocollect.Evaluator`, which holds one :class:`EvalRun`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import itertools
+import sys
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+import anyio
+import numpy as np
+
+from .._service.bus import EventBus
+from .._core.errors import ConfigTypeError, EvaluatorClosedError, WorkerError, add_note
+from .config import EvaluatorConfig, EvaluatorState
+from .._backends.eval_process import EvalProcess
+from .._core.eval_wire import Aborted, Failed, Result
+from .._service.resource import unwrap_group as _unwrap, wait_shielded
+from .._service.supervisor import RestartBudget
+from .._service.systask import spawn_system_task
+
+if TYPE_CHECKING:
+    from .._backends.ray_eval import RayEvalWorker
+from ..events import EvaluationCompleted, EvaluationFailed, WorkerFailed, WorkerRestarted
+
+
+def in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:  # pragma: no cover - trio is optional
+        try:
+            trio.lowlevel.current_task()
+            return True
+        except RuntimeError:
+            pass
+    return False
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    step: int | None
+    weights: Any
+    background: bool
+    done: anyio.Event
+    result: dict | None = None
+    error: BaseException | None = None
+    abandoned: bool = False  # the evaluate() call waiting for it was cancelled
+    sent: bool = False  # the whole request reached the worker's socket
+
+
+async def compute_metrics(
+    returns: list[float], lengths: list[int], metrics_fn: Callable | None, step: int | None, seconds: float,
+    log_prefix: str | None = None,
+) -> dict:
+    """The metrics of one evaluation (see :class:`~aiocollect.Evaluator`), or with ``log_prefix``
+    under TorchRL's Evaluator's names (:func:`torchrl_metrics`); raises what ``metrics_fn``
+    raises, and :class:`TypeError` if it returns no mapping."""
+    r = np.asarray(returns, dtype=np.float64)
+    n = np.asarray(lengths, dtype=np.int64)
+    metrics: dict[str, Any] = {
+        "return_mean": float(r.mean()),
+        "return_std": float(r.std()),
+        "return_min": float(r.min()),
+        "return_max": float(r.max()),
+        "episode_length_mean": float(n.mean()),
+    }
+    if metrics_fn is not None:
+        extra = metrics_fn(r.copy(), n.copy())
+        if inspect.isawaitable(extra):
+            extra = await extra
+        if not isinstance(extra, Mapping):
+            raise ConfigTypeError(
+                f"metrics_fn returned {type(extra).__name__}; it must return a mapping of metric names to values"
+            )
+        metrics.update(extra)
+    metrics.update(step=step, num_trajectories=len(r), seconds=seconds)
+    if log_prefix is not None:
+        return torchrl_metrics(metrics, r, n, extra if metrics_fn is not None else {}, log_prefix)
+    return metrics
+
+
+def torchrl_metrics(ours: dict, returns: np.ndarray, lengths: np.ndarray, extra: Mapping, prefix: str) -> dict:
+    """The metrics under TorchRL 0.14's ``Evaluator`` names: ``<prefix>/reward`` (the mean
+    return), ``<prefix>/reward_std`` (sample standard deviation, ``ddof=1``; 0.0 for one episode,
+    as TorchRL's), ``<prefix>/num_episodes``, ``<prefix>/episode_length`` (mean),
+    ``<prefix>/fps`` (frames per second of the evaluation), ``<prefix>/step``, and each of
+    ``metrics_fn``'s items as ``<prefix>/<name>``."""
+    seconds = ours["seconds"]
+    out: dict[str, Any] = {
+        f"{prefix}/reward": ours["return_mean"],
+        f"{prefix}/reward_std": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
+        f"{prefix}/num_episodes": len(returns),
+        f"{prefix}/episode_length": ours["episode_length_mean"],
+    }
+    if seconds > 0:
+        out[f"{prefix}/fps"] = float(lengths.sum()) / seconds
+    out[f"{prefix}/step"] = ours["step"]
+    for name, value in extra.items():
+        out[f"{prefix}/{name}"] = value
+    return out
+
+
+class EvalRun:
+    """An evaluator's state and its own task (:meth:`launch`): never refers to the front."""
+
+    def __init__(self, config: EvaluatorConfig, worker_config: bytes, needs: tuple[str, ...]) -> None:
+        self.config = config
+        self.worker_config = worker_config  # cloudpickle(EvalWorkerConfig)
+        self.needs = needs
+        self.state = EvaluatorState.CREATED
+        self.bus = EventBus()
+        self.queue: deque[Request] = deque()
+        self.current: Request | None = None  # running in the worker
+        self.reporting: Request | None = None  # done; its events and on_result are running
+        self.proc: EvalProcess | RayEvalWorker | None = None
+        self.errors: list[BaseException] = []  # background failures nobody has seen yet
+        self.start_error: BaseException | None = None
+        self.unconsumed: dict | None = None
+        self.last: dict | None = None
+        self.ids = itertools.count(1)
+        self.task: Any = None
+        self.completed = self.failed = self.skipped = self.restarts = 0
+        self.budget = RestartBudget(config.max_restarts, config.restart_window)
+        self.restart = config.on_worker_failure == "restart"
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue) + (self.current is not None)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def launch(self, main: Callable[[], Awaitable[None]]) -> None:
+        """Start the evaluator's own task, ``main()`` (which awaits :meth:`run`), if not yet."""
+        if self.state is not EvaluatorState.CREATED:
+            return
+        if not in_event_loop():
+            raise RuntimeError(
+                "the Evaluator needs a running event loop: call it from async code (a task of the loop "
+                "it should run in)"
+            )
+        self.started = anyio.Event()
+        self.done = anyio.Event()
+        self.stop = anyio.Event()
+        self.wakeup = anyio.Event()
+        self.changed = anyio.Event()
+        self.state = EvaluatorState.STARTING
+        self.task = spawn_system_task(main)
+
+    async def start(self) -> None:
+        """See :meth:`Evaluator.start <aiocollect.Evaluator.start>` (launched already)."""
+        await self.started.wait()
+        error = self.start_error
+        if error is not None:
+            await wait_shielded(self.done)
+            if error in self.errors:  # nobody has seen it yet: raised here, not again by poll() ...
+                self.errors.remove(error)
+                raise error
+            raise EvaluatorClosedError(
+                f"this evaluator is closed: its worker failed to start ({type(error).__name__}: {error}); "
+                f"create a new Evaluator"
+            ) from error
+        if self.state is EvaluatorState.CLOSED:
+            raise EvaluatorClosedError("this evaluator is closed and cannot be reopened; create a new Evaluator")
+
+    async def aclose(self) -> None:
+        """See :meth:`Evaluator.aclose <aiocollect.Evaluator.aclose>`."""
+        self.state = EvaluatorState.CLOSED
+        if self.task is not None:
+            self.stop.set()
+            try:
+                await wait_shielded(self.done)  # even under task.cancel(): the worker is gone first
+            finally:
+                self.bus.close()
+        else:
+            self.bus.close()
+        self.raise_background_error()
+
+    async def run(self) -> None:
+        """The evaluator's own task: until :meth:`aclose`, a failed start or a bug of ours."""
+        try:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._main, tg)
+                    await self.stop.wait()
+                    tg.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - a bug of ours: reported, never lost
+                self.add_error(_unwrap(exc))
+            finally:
+                proc, self.proc = self.proc, None
+                if proc is not None:
+                    try:
+                        with anyio.CancelScope(shield=True):
+                            await proc.stop(self.config.shutdown_timeout)
+                    except BaseException:
+                        proc.stop_nowait()  # the event loop is going away: no more awaiting
+                        raise
+        finally:
+            self._abandon_all()
+            # aclose(), a failed start (or a bug of ours, reported above) ends this task: closed
+            self.state = EvaluatorState.CLOSED
+            self.bus.close()
+            self.started.set()
+            self.done.set()
+
+    async def _main(self, tg: Any) -> None:
+        try:
+            self.proc = await self._spawn(tg)
+        except Exception as exc:  # noqa: BLE001 - raised by start(), or surfaced like a background error
+            self.start_error = exc
+            self.add_error(exc)
+            self.stop.set()
+            return
+        finally:
+            if self.state is EvaluatorState.STARTING and self.start_error is None:
+                self.state = EvaluatorState.RUNNING
+            self.started.set()
+        if self.config.step_timeout is not None:
+            tg.start_soon(self._watchdog, self.config.step_timeout)
+        await self._schedule(tg)
+
+    def _abandon_all(self) -> None:
+        closed = EvaluatorClosedError("the evaluator was closed before this evaluation completed")
+        requests = list(self.queue) + [r for r in (self.current, self.reporting) if r is not None]
+        self.queue.clear()
+        self.current = self.reporting = None
+        for req in requests:
+            if not req.done.is_set():
+                req.error = closed
+                req.done.set()
+        self.notify()
+
+    # -- the caller's side of requests ----------------------------------------------------------
+    def submit(self, weights: tuple[str, dict] | None, step: int | None, *, background: bool) -> Request:
+        """Queue an evaluation of ``weights`` (a CPU snapshot: :func:`~aiocollect._evaluator.config.weights_payload`); launched already."""
+        req = Request(next(self.ids), step, weights, background, anyio.Event())
+        self.queue.append(req)
+        self.wakeup.set()
+        self.notify()
+        return req
+
+    def abandon(self, req: Request) -> None:
+        req.abandoned = True
+        try:
+            self.queue.remove(req)
+        except ValueError:
+            pass
+        else:
+            self.notify()
+            return
+        proc = self.proc
+        if req is self.current and req.sent and proc is not None:
+            proc.abort_nowait(req.id)  # the socket is idle: the request was sent whole
+
+    def notify(self) -> None:
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+    def add_error(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+        self.notify()
+
+    def raise_background_error(self) -> None:
+        if not self.errors:
+            return
+        first, *rest = self.errors
+        self.errors.clear()
+        if rest:
+            add_note(
+                first,
+                f"{len(rest)} more background evaluation(s) failed after this one "
+                f"({', '.join(type(e).__name__ for e in rest)}); each was an EvaluationFailed event",
+            )
+        raise first
+
+    # -- the worker -------------------------------------------------------------------------------
+    async def _spawn(self, tg: Any) -> EvalProcess | RayEvalWorker:
+        after = "; a new worker replaces it (on_worker_failure='restart')" if self.restart else "; the next evaluation starts a new worker"
+        if self.config.backend == "ray":
+            from .._backends.ray_eval import RayEvalWorker
+
+            return await RayEvalWorker.open(
+                tg,
+                worker_config=self.worker_config,
+                watch=self.config.step_timeout is not None,
+                after_death=after,
+                on_death=self._worker_died,
+                options=self.config.actor_options,
+            )
+        return await EvalProcess.open(
+            tg,
+            needs=self.needs,
+            worker_config=self.worker_config,
+            watch=self.config.step_timeout is not None,
+            after_death=after,
+            on_death=self._worker_died,
+        )
+
+    def _worker_died(self, proc: "EvalProcess | RayEvalWorker", exc: WorkerError) -> None:
+        """Between evaluations nobody waits on the worker: report its death now (under
+        ``"restart"``: replace it now). One killed as hung had its evaluation end meanwhile:
+        the next evaluation starts a new worker."""
+        if proc is not self.proc or self.current is not None or self.stop.is_set() or proc.hung is not None:
+            return
+        if self.restart:
+            self.wakeup.set()
+        else:
+            self.add_error(exc)
+
+    async def _live_worker(self, tg: Any) -> EvalProcess | RayEvalWorker:
+        """The worker, or a new one if there is none or it is gone (its failure was reported)."""
+        proc = self.proc
+        if proc is None or proc.dead is not None or proc.failed:
+            self.proc = None
+            if proc is not None:
+                with anyio.CancelScope(shield=True):
+                    await proc.stop(self.config.shutdown_timeout)
+            proc = self.proc = await self._spawn(tg)
+        return proc
+
+    async def _replace(self, tg: Any, proc: EvalProcess | RayEvalWorker | None, error: BaseException) -> None:
+        """``proc`` died, crashed or hung (``error``): emit :class:`WorkerFailed`, stop it and,
+        within the restart budget, start a new worker (:class:`WorkerRestarted`). Past the
+        budget, raises ``error`` with a note saying so (the next evaluation starts a new worker)."""
+        old_pid = pid = None if proc is None else proc.pid
+        if proc is not None:
+            self.proc = None
+            with anyio.CancelScope(shield=True):
+                await proc.stop(0)  # dead or hung already: killed now if it is not gone
+        while True:
+            await self.bus.emit(WorkerFailed(worker=-1, pid=pid, error=error))
+            if not (self.restart and not self.stop.is_set() and self.budget.allow(error)):
+                raise error
+            try:
+                self.proc = await self._spawn(tg)
+            except Exception as exc:  # noqa: BLE001 - the new worker failed to start: counted the same
+                error, pid = exc, None
+                continue
+            break
+        self.restarts += 1
+        await self.bus.emit(WorkerRestarted(worker=-1, pid=self.proc.pid, old_pid=old_pid))
+
+    async def _watchdog(self, timeout: float) -> None:
+        """Declare the worker hung when it spends longer than ``timeout`` in one call of an
+        evaluation, or is stopped or has not started the evaluation it was sent for that long
+        (checked during an evaluation only: between them an idle worker is never hung)."""
+        period = min(max(timeout / 4, 0.01), 1.0)
+        while True:
+            await anyio.sleep(period)
+            proc = self.proc
+            if proc is not None and self.current is not None and proc.dead is None and proc.hung is None:
+                await proc.check_hung(timeout)
+
+    # -- evaluations ------------------------------------------------------------------------------
+    async def _schedule(self, tg: Any) -> None:
+        while True:
+            while not self.queue:
+                proc = self.proc
+                if self.restart and proc is not None and proc.dead is not None and proc.hung is None:
+                    try:  # it died between evaluations: a new worker now, ready for the next one
+                        await self._replace(tg, proc, proc.dead)
+                    except Exception as exc:  # noqa: BLE001 - past the budget (or a handler's error)
+                        self.add_error(exc)
+                    continue
+                self.wakeup = anyio.Event()
+                await self.wakeup.wait()
+            req = self.current = self.queue.popleft()
+            try:
+                try:
+                    metrics = await self._run_one(req, tg)
+                except Exception as exc:  # noqa: BLE001 - the evaluation's failure, reported
+                    failure: BaseException | None = exc
+                else:
+                    failure = None
+                # no longer pending (a handler may trigger the next one), but wait() waits for it
+                self.current, self.reporting = None, req
+                self.notify()
+                if failure is not None:
+                    await self._report_failure(req, failure)
+                else:
+                    await self._report_success(req, metrics)
+            finally:
+                self.current = self.reporting = None
+                if not req.done.is_set():  # cancelled (closing), or aborted by its caller
+                    req.error = EvaluatorClosedError("the evaluator was closed before this evaluation completed")
+                    req.done.set()
+                self.notify()
+
+    async def _run_one(self, req: Request, tg: Any) -> dict | None:
+        """Run ``req`` to its metrics (``None``: aborted). Under ``"restart"`` a worker that dies,
+        crashes or hangs meanwhile is replaced and the evaluation runs again from its start,
+        within the restart budget; an env's or policy's exception (the worker reports it and
+        stays usable) fails the evaluation either way."""
+        weights, req.weights = req.weights, None  # kept until the evaluation ends, for a rerun
+        while True:
+            proc = self.proc
+            if self.restart and proc is not None and proc.dead is not None and proc.hung is None:
+                lost: BaseException = proc.dead  # it died between evaluations, not replaced yet
+            else:
+                try:
+                    proc = await self._live_worker(tg)
+                except Exception as exc:
+                    if not self.restart:
+                        raise
+                    lost, proc = exc, None  # a new worker that failed to start: counted the same
+                else:
+                    t0 = time.perf_counter()
+                    try:
+                        msg = await proc.evaluate(req, weights, self.config.num_trajectories)
+                    except WorkerError as exc:  # its death or hang, seen by send() or reply()
+                        if not self.restart:
+                            raise
+                        lost = exc
+                    else:
+                        if isinstance(msg, Result):
+                            seconds = time.perf_counter() - t0
+                            return await compute_metrics(
+                                msg.returns, msg.lengths, self.config.metrics_fn, req.step, seconds, self.config.log_prefix
+                            )
+                        if isinstance(msg, Aborted):
+                            return None
+                        error = proc.failure(msg)
+                        if isinstance(msg, Failed) or not self.restart:  # else fatal: the worker exits
+                            raise error
+                        lost = error
+            await self._replace(tg, proc, lost)
+            if req.abandoned:  # its caller is gone: not run again
+                return None
+
+    async def _report_success(self, req: Request, metrics: dict | None) -> None:
+        if metrics is None:  # aborted: its caller is gone
+            return
+        self.completed += 1
+        self.last = metrics
+        if req.background:
+            self.unconsumed = metrics
+        req.result = metrics
+        try:
+            await self.bus.emit(EvaluationCompleted(step=req.step, metrics=dict(metrics)))
+            on_result = self.config.on_result
+            if on_result is not None:
+                result = on_result(dict(metrics))
+                if inspect.isawaitable(result):
+                    await result
+        except Exception as exc:  # noqa: BLE001 - a handler's error: surfaced, never dropped
+            if req.background or req.abandoned:
+                self.add_error(exc)
+            else:
+                req.error = exc
+        req.done.set()
+
+    async def _report_failure(self, req: Request, exc: BaseException) -> None:
+        self.failed += 1
+        handler_error = None
+        try:
+            await self.bus.emit(EvaluationFailed(step=req.step, error=exc))
+        except Exception as handler_exc:  # noqa: BLE001 - surfaced, with the evaluation's error as context
+            handler_exc.__context__ = exc
+            handler_error = handler_exc
+        error = handler_error or exc
+        if req.background:
+            self.add_error(error)
+        elif not req.abandoned:
+            req.error = error
+        elif handler_error is not None:  # its caller gave up on the evaluation, not on the handler
+            self.add_error(handler_error)
+        req.done.set()
+
+
+__all__ = ["EvalRun", "Request", "compute_metrics", "in_event_loop", "torchrl_metrics"]

@@ -1,0 +1,1 @@
+"""The replay buffer and its samplers."""

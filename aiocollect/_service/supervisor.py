@@ -1,0 +1,113 @@
+"""Worker failures: reported, or survived.
+
+:func:`supervise` runs one task per worker seat: it hands the worker's reports to the run and,
+when the worker fails, emits :class:`~aiocollect.events.WorkerFailed`, then either replaces it
+(``on_worker_failure="restart"``, within the :class:`RestartBudget`) and emits
+:class:`~aiocollect.events.WorkerRestarted`, or hands the error to the producer, which raises it
+after the batches the worker completed before. :func:`watchdog` declares hung the workers that
+spend longer than ``step_timeout`` in one call, are stopped (``SIGSTOP``, a debugger) or make no
+progress the collector can see while it waits on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .. import events as ev
+from .._core.errors import add_note
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .._worker.rollout import RolloutConfig
+    from .._collector.run import Run
+    from .._backends.workers import WorkerHandle
+
+
+class RestartBudget:
+    """At most ``max_restarts`` replacements within any ``window`` seconds (``None``: ever)."""
+
+    def __init__(self, max_restarts: int, window: float | None) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        self.times: deque[float] = deque()
+
+    def allow(self, error: BaseException) -> bool:
+        """Count a replacement for ``error`` if the budget allows it; else note on ``error`` why
+        it is raised and return False."""
+        now = time.monotonic()
+        if self.window is not None:
+            while self.times and now - self.times[0] > self.window:
+                self.times.popleft()
+        if len(self.times) >= self.max_restarts:
+            within = "" if self.window is None else f" within restart_window={self.window:g} s"
+            add_note(
+                error,
+                f"aiocollect gave up replacing failed workers: max_restarts={self.max_restarts} restarts"
+                f"{within} were used. Fix the cause, or raise max_restarts",
+            )
+            return False
+        self.times.append(now)
+        return True
+
+
+async def supervise(run: "Run", w: "WorkerHandle") -> None:
+    """Handle worker ``w``'s reports; when it fails, replace it or report the failure."""
+    restart = run.config.on_worker_failure == "restart"
+    while True:
+        error = await w.serve(run.wake, run.sync.on_applied)
+        while True:
+            old_pid = w.pid
+            index = getattr(error, "worker", w.index)
+            await run.emit(ev.WorkerFailed, worker=-1 if index is None else index, pid=old_pid, error=error)
+            if not restart or run.closing or run.finished or not run.budget.allow(error):
+                run.worker_failed(error)
+                return
+            try:
+                await w.replace(replacement_config(run, w))
+            except Exception as exc:  # noqa: BLE001 - the replacement failed too: counted the same
+                error = exc
+                continue
+            break
+        run.stats.restarts += 1
+        await run.emit(ev.WorkerRestarted, worker=w.index, pid=w.pid, old_pid=old_pid)
+        run.wake()
+
+
+def replacement_config(run: "Run", w: "WorkerHandle") -> RolloutConfig:
+    """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories its
+    failure cut end there), the random steps it still owes, seeds derived from the restart."""
+    c = run.config
+    cfg = run.configs[w.index]
+    counters = list(cfg.traj_counters or [0] * run.total_rows)
+    rows = run.rows_per_worker  # (a vector env's sub-envs are rows, each with its counter)
+    base = w.index * rows
+    last = w.counters if w.counters is not None else counters[base : base + rows]
+    counters[base : base + rows] = [k + 1 for k in last]
+    return dataclasses.replace(
+        cfg,
+        traj_counters=tuple(counters),
+        random_steps=max(cfg.random_steps - w.completed * c.frames_per_env, 0),
+        restart=w.restarts + 1,
+    )
+
+
+async def watchdog(run: "Run", timeout: float) -> None:
+    """Declare hung the workers that spend longer than ``timeout`` seconds in one call, that are
+    stopped for that long, or that were granted work and show no progress for that long (checked
+    four times per timeout, at most every second): see :meth:`WorkerHandle.stuck
+    <aiocollect._backends.workers.WorkerHandle.stuck>`. A worker idle because it was granted no work
+    (backpressure, a paused collector) is never hung."""
+    period = min(max(timeout / 4, 0.01), 1.0)
+    while True:
+        await anyio.sleep(period)
+        for w in run.workers:
+            stuck = w.stuck(timeout)
+            if stuck is not None:
+                await w.declare_hung(*stuck, timeout)
+
+
+__all__ = ["RestartBudget", "replacement_config", "supervise", "watchdog"]

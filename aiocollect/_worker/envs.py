@@ -1,0 +1,67 @@
+"""Opening and closing a child process's envs (a rollout worker's or the evaluator's worker's):
+make them from an id or a factory, check that they share their spaces, close them at shutdown.
+
+Imported by worker processes: gymnasium only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+
+from .._core.errors import ConfigTypeError, SpecError
+from .._core.registry import install as install_registry
+
+
+def create_env(env_fn: Any, env_kwargs: dict) -> Any:
+    """What ``create_env_fn`` returns (or ``gymnasium.make`` for an id), not checked yet."""
+    if isinstance(env_fn, str):
+        return gym.make(env_fn, **env_kwargs)
+    return env_fn(**env_kwargs)
+
+
+def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
+    """A new env (or ``env``, made already), which must be a ``gymnasium.Env``."""
+    if env is None:
+        env = create_env(env_fn, env_kwargs)
+    if not isinstance(env, gym.Env):
+        raise ConfigTypeError(
+            f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
+            f"(a Collector also takes a gymnasium.vector.VectorEnv, if create_env_fn returns one every time)"
+        )
+    return env
+
+
+def add_envs(
+    envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str, registry: tuple = ()
+) -> tuple[Any, Any]:
+    """Append ``count`` new envs to ``envs`` (so the caller can close those made before a
+    failure) and check that they share their spaces; returns (observation, action) space.
+
+    ``registry`` (a :func:`aiocollect._core.registry.snapshot` of the user's process) is installed
+    first, so that ids registered there can be made here, by id or by a factory."""
+    install_registry(registry)
+    for _ in range(count):
+        envs.append(make_env(env_fn, env_kwargs))
+    obs_space, act_space = envs[0].observation_space, envs[0].action_space
+    for i, env in enumerate(envs[1:], 1):
+        if env.observation_space != obs_space or env.action_space != act_space:
+            raise SpecError(
+                f"env {i} of {who} has spaces {env.observation_space}, {env.action_space}, but env 0 has "
+                f"{obs_space}, {act_space}: all envs must share their spaces"
+            )
+    return obs_space, act_space
+
+
+def close_envs(envs: list[gym.Env]) -> None:
+    """Close every env (best effort, at shutdown) and empty the list."""
+    for env in envs:
+        try:
+            env.close()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass
+    envs.clear()
+
+
+__all__ = ["add_envs", "close_envs", "create_env", "make_env"]

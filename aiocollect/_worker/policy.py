@@ -1,0 +1,482 @@
+"""Policies: how the collector classifies the policy it is given (in the user's process) and how
+a worker runs it on a batch of observations.
+
+Imported by worker processes: a worker with a random policy never imports torch, and one with a
+plain ``nn.Module`` (or a simple ``TensorDictModule``, which is unwrapped) never imports
+tensordict: both imports are lazy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from gymnasium import spaces
+
+from .._core.datachecks import dtype_problem
+from .._core.errors import ConfigTypeError, SpecError
+from .._core.layout import Key, Leaf, as_key, flattener, is_bare, unflattener
+
+EXPLORATION_TYPES = ("random", "deterministic", "mode", "mean", "median")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """What a worker needs to rebuild the policy: picklable, no torch objects outside ``payload``.
+
+    kind: ``"random"`` (sample the action space), ``"module"`` (a callable on tensors, mapped from
+    ``in_keys`` to ``out_keys``), ``"tensordict"`` (a callable taking and returning a TensorDict),
+    ``"factory"`` (``payload`` builds one of the others in the worker) or ``"server"`` (the
+    collector's inference server acts: :class:`~aiocollect._worker.inference_client.RemoteRunner`).
+    """
+
+    kind: str
+    payload: bytes = b""
+    in_keys: tuple[Key, ...] = (("observation",),)
+    out_keys: tuple[Key, ...] = (("action",),)
+    exploration_type: str = "random"
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Modules a worker imports before running it (imported once, in the launcher)."""
+        if self.kind in ("random", "server"):
+            return ()
+        if self.kind == "tensordict":
+            return ("torch", "tensordict")
+        return ("torch",)
+
+
+def _torch_nn() -> Any:
+    return sys.modules.get("torch.nn")
+
+
+def _simple_tensordict_module(obj: Any) -> bool:
+    """A ``TensorDictModule`` that only maps in_keys to out_keys with its inner module: run the
+    inner module directly, so that the worker needs no tensordict import."""
+    td_nn = sys.modules.get("tensordict.nn")
+    if td_nn is None or type(obj) is not td_nn.TensorDictModule:
+        return False
+    return (
+        getattr(obj, "method", None) is None
+        and not getattr(obj, "method_kwargs", None)
+        and isinstance(obj.in_keys, (list, tuple))
+        and len(obj.out_keys) >= 1
+    )
+
+
+def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
+    """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory)."""
+    if _simple_tensordict_module(obj):
+        return ("module", obj.module, tuple(as_key(k) for k in obj.in_keys), tuple(as_key(k) for k in obj.out_keys))
+    td_nn = sys.modules.get("tensordict.nn")
+    nn = _torch_nn()
+    if td_nn is not None and isinstance(obj, td_nn.TensorDictModuleBase):
+        return ("tensordict", obj, (), ())
+    if nn is not None and isinstance(obj, nn.Module):
+        return ("module", obj, (("observation",),), (("action",),))
+    if callable(obj):
+        return ("tensordict", obj, (), ())
+    raise ConfigTypeError(
+        f"policy must be callable, got {type(obj).__name__}; pass a function or module that maps a "
+        "TensorDict of observations to one with an 'action', or policy=None for random actions"
+    )
+
+
+def describe(policy: Any, policy_factory: Any, exploration_type: str) -> PolicySpec:
+    """Parent side: the :class:`PolicySpec` sent to workers."""
+    from .._core import pickling as _pickling
+
+    if policy_factory is not None:
+        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type)
+    if policy is None:
+        return PolicySpec("random", exploration_type=exploration_type)
+    kind, fn, in_keys, out_keys = classify(policy)
+    if kind == "module":
+        return PolicySpec("module", _pickling.dumps(fn), in_keys, out_keys, exploration_type)
+    return PolicySpec("tensordict", _pickling.dumps(fn), exploration_type=exploration_type)
+
+
+# -- runners (worker side, or in-process for the local backend) ----------------------------------
+
+
+class EnvActions:
+    """Turns stored action leaves (arrays ``[E, ...]``) into what each env's ``step`` takes."""
+
+    def __init__(self, space: spaces.Space, leaves: list[Leaf]) -> None:
+        self.leaves = leaves
+        self.single = is_bare(space)  # (a one-leaf Dict/Tuple space takes a dict/tuple)
+        self.discrete = self.single and isinstance(space, spaces.Discrete)
+        # categorical_action_encoding=False: the stored action is one-hot, the env takes its index
+        self.one_hot = self.discrete and leaves[0].shape == (int(space.n),)  # type: ignore[attr-defined]
+        self.start = int(getattr(space, "start", 0)) if self.discrete else 0
+        self.unflatten = unflattener(space)
+
+    def per_env(self, arrays: list[np.ndarray], num_envs: int) -> Sequence[Any]:
+        if self.one_hot:
+            return self.indices(arrays[0])
+        if self.discrete:
+            return arrays[0].tolist()
+        if self.single:
+            return list(arrays[0])
+        return [self.unflatten([a[i] for a in arrays]) for i in range(num_envs)]
+
+    def indices(self, one_hot: np.ndarray) -> list[int]:
+        """Each row's index (plus the space's ``start``); a row that is not one-hot (exactly one 1,
+        zeros elsewhere) is a :class:`SpecError`."""
+        ok = ((one_hot == 0) | (one_hot == 1)).all(-1) & (one_hot.sum(-1) == 1)
+        if not ok.all():
+            row = int(np.flatnonzero(~ok)[0])
+            raise SpecError(
+                f"the policy wrote 'action' {one_hot[row].tolist()} for env row {row}, which is not one-hot "
+                f"(categorical_action_encoding=False takes one-hot actions of shape [{one_hot.shape[-1]}]: a single 1); "
+                f"write a one-hot action (e.g. torch.nn.functional.one_hot(index, n)), or drop the option and write "
+                f"the index"
+            )
+        return (one_hot.argmax(-1) + self.start).tolist()
+
+
+class RandomRunner:
+    """Samples each env's own copy of the action space (seeded per env, so the same seed gives the
+    same actions whatever the number of workers)."""
+
+    uses_torch = False
+    model = None  # no weights to synchronise
+    remote = False
+    version = 0  # (runners' common interface; a remote runner's is its server's)
+
+    def __init__(self, action_spaces: list[spaces.Space], act_leaves: list[Leaf]) -> None:
+        self.spaces = action_spaces
+        self.flatten = flattener(action_spaces[0], "action")
+        self.single = is_bare(action_spaces[0])
+        self.dtypes = [leaf.np_dtype for leaf in act_leaves]
+        space = action_spaces[0]
+        # categorical_action_encoding=False: random Discrete actions stored one-hot, as TorchRL's OneHot.rand()
+        self.one_hot = (
+            np.eye(int(space.n), dtype=np.int64) if isinstance(space, spaces.Discrete) and act_leaves[0].shape == (int(space.n),)
+            else None
+        )
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        samples = [space.sample() for space in self.spaces]
+        if self.one_hot is not None:
+            start = int(self.spaces[0].start)  # type: ignore[attr-defined]
+            arrays = [self.one_hot[np.asarray(samples, dtype=np.int64) - start]]
+        elif self.single:
+            arrays = [np.asarray(samples, dtype=self.dtypes[0])]
+        else:
+            flat = [self.flatten(s) for s in samples]
+            arrays = [np.asarray([f[j] for f in flat], dtype=dt) for j, dt in enumerate(self.dtypes)]
+        return samples, arrays, []
+
+    def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
+        return []
+
+
+def act_leaves_shape(leaves: list[Leaf]) -> tuple[int, ...]:
+    return leaves[0].shape if len(leaves) == 1 else ()
+
+
+def _np_dtype_name(tensor: Any, key: Key) -> str:
+    import torch
+
+    try:
+        return torch.empty(0, dtype=tensor.dtype).numpy().dtype.name
+    except TypeError:
+        raise SpecError(
+            f"the policy wrote {'.'.join(key)!r} with dtype {tensor.dtype}, which has no numpy "
+            f"equivalent for shared-memory storage; cast it to float32 in the policy"
+        ) from None
+
+
+def _cpu_numpy(value: Any) -> np.ndarray | None:
+    """``value.numpy()`` where that is a plain view (a cpu tensor outside autograd), else None."""
+    try:
+        arr = value.numpy()
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor, not on the cpu, needs grad ...
+        return None
+    return arr if type(arr) is np.ndarray else None
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    """A tensor as a numpy array: a view where it is a cpu tensor outside autograd (the common
+    case, without the cost of ``detach()`` and ``cpu()``), else a copy on the cpu."""
+    arr = _cpu_numpy(tensor)
+    return tensor.detach().cpu().numpy() if arr is None else arr
+
+
+class _TorchRunner:
+    """Common part of the torch runners: output checks and conversion."""
+
+    uses_torch = True
+    remote = False
+
+    def __init__(self, act_space: spaces.Space, act_leaves: list[Leaf], obs_leaves: list[Leaf], num_envs: int) -> None:
+        import torch
+
+        # observations (numpy) -> the policy's input tensors; the inference server replaces it on a
+        # CUDA device (pinned staging and a non-blocking copy)
+        self._from_numpy: Callable[[np.ndarray], Any] = torch.from_numpy
+        self.act_space = act_space
+        self.act_leaves = act_leaves
+        self.obs_leaves = obs_leaves
+        self.obs_keys = [leaf.key for leaf in obs_leaves]
+        self.num_envs = num_envs
+        self.env_actions = EnvActions(act_space, act_leaves)
+        self.extra_keys: list[Key] = []
+        self.checked = False
+        self.act_dtypes: list[Any] = []  # torch dtypes of the first, checked actions
+        self.act_shapes = [(num_envs,) + leaf.shape for leaf in act_leaves]
+
+    def _check_action(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            raise SpecError(f"the policy wrote {'.'.join(key)!r} as {type(value).__name__}, expected a torch.Tensor")
+        want = (self.num_envs,) + leaf.shape
+        if tuple(value.shape) != want:
+            hint = ""
+            if isinstance(self.act_space, spaces.Discrete) and tuple(value.shape) == (self.num_envs, int(self.act_space.n)):
+                hint = (
+                    " (it looks one-hot or like logits: write the index, e.g. logits.argmax(-1), or for one-hot actions "
+                    "as TorchRL's GymEnv takes them pass categorical_action_encoding=False)"
+                )
+            elif tuple(value.shape) == (self.num_envs, 1) + leaf.shape or tuple(value.shape) == want + (1,):
+                hint = " (squeeze the extra dimension)"
+            raise SpecError(
+                f"the policy wrote {'.'.join(key)!r} with shape {tuple(value.shape)} for {self.num_envs} envs, "
+                f"but the action space {self.act_space} needs shape {want} (dtype {leaf.dtype}){hint}"
+            )
+        return self._to_numpy(key, value, leaf)
+
+    def _to_numpy(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
+        """``value`` (a tensor of the right shape) as a numpy array of the leaf's dtype: a float
+        of another width is rounded, an integer must fit; another kind is a :class:`SpecError`
+        (see :mod:`aiocollect._core.datachecks`)."""
+        arr = _numpy(value)
+        if arr.dtype == leaf.np_dtype:
+            return arr
+        problem = dtype_problem(arr, leaf.np_dtype, lambda: f"the action space {self.act_space}")
+        if problem is not None:
+            phrase, kind = problem
+            if kind == "range":
+                fix = "clip it in the policy, or give the action space a wider dtype"
+            elif leaf.np_dtype.kind in "iu":
+                fix = "return indices, e.g. logits.argmax(-1)"
+            elif leaf.np_dtype.kind == "f":
+                fix = (
+                    f"return floats, e.g. action.to(torch.{leaf.dtype}) (integer actions for a continuous "
+                    f"space usually mean a discrete policy head on a Box action space)"
+                )
+            else:
+                fix = f"return {leaf.dtype} values"
+            raise SpecError(f"the policy wrote {'.'.join(key)!r}, which {phrase}; {fix}")
+        return arr.astype(leaf.np_dtype)
+
+    def _missing_action(self, outputs: dict[Key, Any]) -> None:
+        for leaf in self.act_leaves:
+            if leaf.key not in outputs:
+                raise SpecError(
+                    f"the policy wrote no {'.'.join(leaf.key)!r}: it must write the action for "
+                    f"{self.act_space} (it wrote {sorted('.'.join(k) for k in outputs)})"
+                )
+
+    def _convert(self, outputs: dict[Key, Any]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if not self.checked:
+            self._missing_action(outputs)
+            arrays = [self._check_action(leaf.key, outputs[leaf.key], leaf) for leaf in self.act_leaves]
+            self.act_dtypes = [outputs[leaf.key].dtype for leaf in self.act_leaves]
+            self.checked = True
+        else:
+            arrays = []
+            for leaf, dtype, want in zip(self.act_leaves, self.act_dtypes, self.act_shapes):
+                value = outputs.get(leaf.key)
+                if value is None:
+                    self._missing_action(outputs)
+                # the common case, seen with numpy's cheap attributes: a cpu tensor of the leaf's
+                # shape and dtype (anything else is checked in full, as on the first call)
+                arr = _cpu_numpy(value)
+                if arr is not None and arr.shape == want and arr.dtype == leaf.np_dtype:
+                    arrays.append(arr)
+                elif getattr(value, "dtype", None) == dtype and tuple(getattr(value, "shape", ())) == want:
+                    # the first call's dtype (converted), or not on the cpu (copied there)
+                    arrays.append(self._to_numpy(leaf.key, value, leaf))
+                else:
+                    arrays.append(self._check_action(leaf.key, value, leaf))
+        extras = [_numpy(outputs[k]) for k in self.extra_keys]
+        return self.env_actions.per_env(arrays, self.num_envs), arrays, extras
+
+    def _extra_leaves(self, outputs: dict[Key, Any]) -> list[Leaf]:
+        import torch
+
+        known = set(self.obs_keys) | {leaf.key for leaf in self.act_leaves}
+        leaves = []
+        for key, value in outputs.items():
+            if key in known:
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.num_envs:
+                raise SpecError(
+                    f"the policy wrote {'.'.join(key)!r} with shape {getattr(value, 'shape', None)}; every "
+                    f"policy output needs a leading dimension of {self.num_envs} (one row per env)"
+                )
+            leaves.append(Leaf(key, tuple(value.shape[1:]), _np_dtype_name(value, key)))
+        self.extra_keys = [leaf.key for leaf in leaves]
+        return leaves
+
+    def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
+        """Run the policy once (without touching torch's RNG), check its outputs and return the
+        extra leaves it writes."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            try:
+                outputs = self._forward(obs)
+            except Exception as exc:  # a policy built for other observations: said as such
+                from .shapes import input_mismatch
+
+                error = input_mismatch(exc, self, obs)
+                if error is None:
+                    raise
+                raise error from exc
+        self._missing_action(outputs)
+        extras = self._extra_leaves(outputs)
+        self._convert(outputs)
+        return extras
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        return self._convert(self._forward(obs))
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        raise NotImplementedError
+
+
+class ModuleRunner(_TorchRunner):
+    """A callable on tensors: inputs are the ``in_keys`` observation leaves, outputs (a tensor or
+    a tuple) are named by ``out_keys``."""
+
+    def __init__(self, module: Callable, in_keys: tuple[Key, ...], out_keys: tuple[Key, ...], *args: Any) -> None:
+        super().__init__(*args)
+        import torch
+
+        self.module = module
+        self.model = module if isinstance(module, torch.nn.Module) else None
+        # what the per-step path calls, looked up once
+        self._grad_enabled, self._no_grad = torch.is_grad_enabled, torch.no_grad
+        self.out_keys = list(out_keys)
+        self.single_out = len(self.out_keys) == 1 and self.out_keys[0] == ("action",) and is_bare(self.act_space)
+        self.want_shape: tuple[int, ...] = (self.num_envs,) + act_leaves_shape(self.act_leaves)
+        self.want_dtype = self.act_leaves[0].np_dtype if self.act_leaves else None
+        index = {key: i for i, key in enumerate(self.obs_keys)}
+        missing = [k for k in in_keys if k not in index]
+        if missing:
+            raise SpecError(
+                f"the policy reads {['.'.join(k) for k in missing]}, which the observations do not have "
+                f"(they have {['.'.join(k) for k in self.obs_keys]}); wrap the module in a "
+                f"tensordict.nn.TensorDictModule with matching in_keys"
+            )
+        self.in_idx = [index[k] for k in in_keys]
+        self.in0 = self.in_idx[0] if len(self.in_idx) == 1 else None
+
+    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if not (self.checked and self.single_out):
+            return super().act(obs)
+        # fast path (a module writing only the action, its first output checked): no dict, no copy,
+        # no torch attribute read per call; the output is checked through its numpy view (cheap
+        # attributes), and anything but a cpu tensor of the action's shape and dtype goes through
+        # the full conversion, with its checks and messages
+        from_numpy = self._from_numpy
+        inputs = (from_numpy(obs[self.in0]),) if self.in0 is not None else [from_numpy(obs[i]) for i in self.in_idx]
+        if self._grad_enabled():
+            with self._no_grad():
+                out = self.module(*inputs)
+        else:  # worker processes disable autograd once
+            out = self.module(*inputs)
+        arr = _cpu_numpy(out)
+        if arr is None or arr.shape != self.want_shape or arr.dtype != self.want_dtype:
+            return self._convert(dict(zip(self.out_keys, out if isinstance(out, tuple) else (out,))))
+        return self.env_actions.per_env([arr], self.num_envs), [arr], []
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        import torch
+
+        with torch.no_grad():
+            out = self.module(*[self._from_numpy(obs[i]) for i in self.in_idx])
+        if not isinstance(out, tuple):
+            out = (out,)
+        if len(out) != len(self.out_keys):
+            raise SpecError(
+                f"the policy returned {len(out)} tensors for out_keys {['.'.join(k) for k in self.out_keys]}"
+            )
+        return dict(zip(self.out_keys, out))
+
+
+class TensorDictRunner(_TorchRunner):
+    """A callable taking and returning a TensorDict of batch size ``[num_envs]``, run under
+    tensordict's interaction type ``exploration_type``."""
+
+    def __init__(self, policy: Callable, exploration_type: str, *args: Any) -> None:
+        super().__init__(*args)
+        import torch
+
+        # tensordict itself first: a collector's start imports it in a thread of its own, and a
+        # submodule imported here meanwhile would run against the half-imported package
+        # ("cannot import name ... from partially initialized module 'tensordict.nn'"); importing
+        # the package waits for that import to finish
+        import tensordict  # noqa: F401
+        from tensordict.nn import InteractionType
+
+        self.policy = policy
+        self.model = policy if isinstance(policy, torch.nn.Module) else None
+        self.interaction = InteractionType(exploration_type)
+
+    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+        import torch
+        from tensordict import TensorDict, TensorDictBase
+        from tensordict.nn import set_interaction_type
+
+        td = TensorDict({}, batch_size=[self.num_envs])
+        for key, arr in zip(self.obs_keys, obs):
+            td.set(key, self._from_numpy(arr))
+        with torch.no_grad(), set_interaction_type(self.interaction):
+            out = self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise SpecError(
+                f"the policy returned {type(out).__name__}; a TensorDict policy must return the TensorDict "
+                f"(or None after writing into it); a plain nn.Module taking the observation tensor is "
+                f"wrapped automatically"
+            )
+        return {as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
+
+
+def build_runner(
+    spec: PolicySpec,
+    act_space: spaces.Space,
+    act_leaves: list[Leaf],
+    obs_leaves: list[Leaf],
+    num_envs: int,
+    action_spaces: list[spaces.Space],
+    local_policy: Any = None,
+) -> Any:
+    """Worker side. ``local_policy`` is the user's object itself (local backend: no copy)."""
+    import cloudpickle
+
+    kind, payload, in_keys, out_keys = spec.kind, None, spec.in_keys, spec.out_keys
+    if kind == "random":
+        return RandomRunner(action_spaces, act_leaves)
+    if kind == "server":
+        from .inference_client import RemoteRunner
+
+        return RemoteRunner(EnvActions(act_space, act_leaves), num_envs)
+    if local_policy is not None:
+        kind, payload, in_keys, out_keys = classify(local_policy)
+    elif kind == "factory":
+        kind, payload, in_keys, out_keys = classify(cloudpickle.loads(spec.payload)())
+    else:
+        payload = cloudpickle.loads(spec.payload)
+    common = (act_space, act_leaves, obs_leaves, num_envs)
+    if kind == "module":
+        return ModuleRunner(payload, in_keys, out_keys, *common)
+    return TensorDictRunner(payload, spec.exploration_type, *common)
