@@ -3,10 +3,10 @@
 writing a known value into its rows of the real slots, on a script (how long each batch takes,
 at which batch it fails), and records what the producer asked of it (credits, releases).
 
-Use :func:`fake_pool` as a fixture helper: it replaces the run's worker start-up
-(``aiocollect._collector.run.launch_workers``) for the collectors built inside it. Everything after the
-start-up is the real thing: the run, the producer, delivery, the slots' shared memory, the
-supervisor, events, the consumer's API.
+Pass a :class:`FakeBackend` to the collector (``Collector(..., backend=FakeBackend(Script(),
+Script()))``): it implements the backend seam (:class:`aiocollect._backends.seat.Backend`) with one
+fake worker per script. Everything else is the real thing: the start-up, the run, the producer,
+delivery, the slots' shared memory, the supervisor, events, the consumer's API.
 
 The value written into every numeric leaf of batch ``n`` of worker ``w`` is ``w * 1000 + n``
 (booleans are False), so a test can tell where each row of a delivered batch came from.
@@ -14,24 +14,18 @@ The value written into every numeric leaf of batch ``n`` of worker ``w`` is ``w 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import anyio
 import numpy as np
-import pytest
 
-import aiocollect._collector.run
 from aiocollect import WorkerError
-from aiocollect._core.layout import SlotLayout, frame_leaves
-from aiocollect._worker.policy import PolicySpec
-from aiocollect._collector.producer import whole_slots
-from aiocollect._collector.startup import rollout_configs
-from aiocollect._worker.vector import open_rollout
-from aiocollect._core.wire import NO_EPISODES, BatchInfo
+from aiocollect._backends.seat import Launch, Sharing
 from aiocollect._backends.workers import WorkerHandle, _Slots, allocate_segment
+from aiocollect._core.wire import NO_EPISODES, BatchInfo
+from aiocollect._worker.vector import open_rollout
 
 
 @dataclasses.dataclass
@@ -111,38 +105,34 @@ class FakeWorker(WorkerHandle):
         self.slots = None  # type: ignore[assignment]
 
 
-def _launcher_for(scripts: list[Script], pools: list[list[FakeWorker]]) -> Callable[[Any], Any]:
-    async def launch_workers(run: Any) -> None:
-        c = run.config
-        assert len(scripts) == c.workers, f"{len(scripts)} scripts for {c.workers} workers"
-        run.configs = rollout_configs(run, [PolicySpec("random", exploration_type=c.exploration_type)] * c.workers)
-        real = open_rollout(run.configs[0])  # (its spec only: the batch leaves of the real env)
+class FakeBackend:
+    """A backend of fake workers, one per script; ``pools`` holds the workers of each start."""
+
+    name = "fake"
+    weights_in_parent = False
+
+    def __init__(self, *scripts: Script) -> None:
+        self.scripts = list(scripts)
+        self.pools: list[list[FakeWorker]] = []
+
+    def warm_up(self, needs: tuple[str, ...]) -> None:
+        pass
+
+    async def start(self, launch: Launch) -> tuple[list[FakeWorker], list[dict]]:
+        configs = launch.configs
+        assert len(self.scripts) == len(configs), f"{len(self.scripts)} scripts for {len(configs)} workers"
+        real = open_rollout(configs[0])  # (its spec only: the batch leaves of the real env)
         try:
             spec = real.spec()
         finally:
             real.close()
-        workers = [FakeWorker(i, s) for i, s in enumerate(scripts)]
-        run.workers = workers
-        pools.append(workers)
-        T = c.frames_per_batch // c.envs_per_batch
-        leaves = frame_leaves(spec["obs"], spec["act"], spec["extras"])
-        run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(workers))
-        run.sync.setup([None] * len(workers), workers)
-        run.segment = allocate_segment(run.layout, "aiocollect-test-fake")
-        for w in workers:
-            w.slots = _Slots(run.layout, run.segment[1], w.index)
-            w.free.extend(range(run.layout.num_slots))
-        run.slot_views = whole_slots(run.layout, run.segment[1])
-        run.workers_ready = True
+        workers = [FakeWorker(i, s) for i, s in enumerate(self.scripts)]
+        self.pools.append(workers)
+        return workers, [spec] * len(workers)
 
-    return launch_workers
-
-
-@contextlib.contextmanager
-def fake_pool(monkeypatch: pytest.MonkeyPatch, *scripts: Script) -> Iterator[list[list[FakeWorker]]]:
-    """Collectors started inside get fake workers (one per script); yields the list of the pools
-    started (one list of workers per collector start)."""
-    pools: list[list[FakeWorker]] = []
-    with monkeypatch.context() as m:
-        m.setattr(aiocollect._collector.run, "launch_workers", _launcher_for(list(scripts), pools))
-        yield pools
+    async def share_slots(self, seats: list[FakeWorker], sharing: Sharing) -> tuple[int, Any]:
+        segment = allocate_segment(sharing.layout, "aiocollect-test-fake")
+        for w in seats:
+            w.slots = _Slots(sharing.layout, segment[1], w.index)
+            w.free.extend(range(sharing.layout.num_slots))
+        return segment

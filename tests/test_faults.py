@@ -102,13 +102,13 @@ def _assert_exception_with_traceback(err: WorkerError, text: str, where: str) ->
 
 async def test_env_raising_in_step_is_a_worker_error_with_cause_and_traceback():
     err = await _fault(WorkerError, {"fail_at_step": 5})
-    _assert_exception_with_traceback(err, "injected failure at step 5", "testing.py")
+    _assert_exception_with_traceback(err, "injected failure at step 5", "testing/__init__.py")
 
 
 async def test_env_raising_in_reset_is_a_worker_error_with_cause_and_traceback():
     """The 2nd reset (at the end of the first episode, in the middle of a batch) raises."""
     err = await _fault(WorkerError, {"fail_on_reset": 2})
-    _assert_exception_with_traceback(err, "injected failure at reset 2", "testing.py")
+    _assert_exception_with_traceback(err, "injected failure at reset 2", "testing/__init__.py")
 
 
 async def test_policy_raising_is_a_worker_error_with_cause_and_traceback():

@@ -1,6 +1,7 @@
 """The producer (credits, waiting, assembly, delivery, failures, zero-copy leases, cancellation)
-with fake workers (tests/fake_workers.py): no worker process and no env step, so each case says
-exactly which worker delivered what and when. Every other stage is the real one."""
+with fake workers (tests/fake_workers.py, passed in as the collector's backend): no worker
+process and no env step, so each case says exactly which worker delivered what and when. Every
+other stage is the real one."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import torch
 
 from aiocollect import Collector, CollectorClosedError, EndOfCollection, State, WorkerError
 from aiocollect.events import WorkerFailed, WorkerRestarted
-from fake_workers import Script, fake_pool, value
+from fake_workers import FakeBackend, Script, value
 
 pytestmark = pytest.mark.timeout(60)
 
 E, T = 2, 4  # envs per worker, frames per env in a batch
 
 
-def _collector(**kw) -> Collector:
+def _collector(fake: FakeBackend, **kw) -> Collector:
     kw.setdefault("num_workers", 2)
     kw.setdefault("frames_per_batch", kw["num_workers"] * E * T if kw.get("delivery", "sync") == "sync" else E * T)
-    return Collector("CartPole-v1", None, envs_per_worker=E, **kw)
+    return Collector("CartPole-v1", None, envs_per_worker=E, backend=fake, **kw)
 
 
 def _source(batch) -> list[int]:
@@ -30,112 +31,117 @@ def _source(batch) -> list[int]:
     return obs[:, 0, 0].to(torch.int64).tolist()
 
 
-async def test_sync_batches_hold_every_workers_rows_and_never_run_ahead(monkeypatch):
+async def test_sync_batches_hold_every_workers_rows_and_never_run_ahead():
     """A complete program: the batch of round n has worker 0's rows then worker 1's, both from
     their batch n, even when one worker is slower; with prefetch=0 no worker is granted a batch
     before the consumer asks for it; the run ends at total_frames and the workers are stopped."""
-    with fake_pool(monkeypatch, Script(), Script(delay=lambda n: 0.01)) as pools:
-        received = 0
-        async with _collector(total_frames=16 * 5, prefetch=0) as c:
-            async for batch in c:
-                assert batch.batch_size == torch.Size([4, T])
-                assert _source(batch) == [value(0, received)] * E + [value(1, received)] * E
-                assert all(w.credits_sent <= received + 1 for w in pools[0]), "prefetch=0: granted ahead"
-                received += 1
-            assert c.state is State.STOPPED
-        workers = pools[0]
+    fake = FakeBackend(Script(), Script(delay=lambda n: 0.01))
+    pools = fake.pools
+    received = 0
+    async with _collector(fake, total_frames=16 * 5, prefetch=0) as c:
+        async for batch in c:
+            assert batch.batch_size == torch.Size([4, T])
+            assert _source(batch) == [value(0, received)] * E + [value(1, received)] * E
+            assert all(w.credits_sent <= received + 1 for w in pools[0]), "prefetch=0: granted ahead"
+            received += 1
+        assert c.state is State.STOPPED
+    workers = pools[0]
     assert received == 5
     assert [sum(w.granted) for w in workers] == [5, 5]
     assert all(w.stopped for w in workers)
 
 
-async def test_prefetch_grants_that_many_batches_ahead(monkeypatch):
-    with fake_pool(monkeypatch, Script(), Script()) as pools:
-        async with _collector(total_frames=16 * 6, prefetch=2) as c:
-            await c.collect()
-            with anyio.fail_after(10):
-                while not all(w.completed == 3 for w in pools[0]):  # the one asked for and 2 ahead
-                    await anyio.sleep(0.01)
-            await anyio.sleep(0.05)
-            assert [w.credits_sent for w in pools[0]] == [3, 3]
+async def test_prefetch_grants_that_many_batches_ahead():
+    fake = FakeBackend(Script(), Script())
+    pools = fake.pools
+    async with _collector(fake, total_frames=16 * 6, prefetch=2) as c:
+        await c.collect()
+        with anyio.fail_after(10):
+            while not all(w.completed == 3 for w in pools[0]):  # the one asked for and 2 ahead
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        assert [w.credits_sent for w in pools[0]] == [3, 3]
 
 
-async def test_async_delivery_takes_whichever_worker_is_ready(monkeypatch):
+async def test_async_delivery_takes_whichever_worker_is_ready():
     """delivery='async': each batch is one worker's rows, each worker's batches in its order, and
     a slow worker does not hold the fast one back."""
-    with fake_pool(monkeypatch, Script(), Script(delay=lambda n: 0.3)) as pools:
-        sources = []
-        async with _collector(total_frames=E * T * 8, delivery="async") as c:
-            async for batch in c:
-                assert batch.batch_size == torch.Size([E, T])
-                rows = _source(batch)
-                assert len(set(rows)) == 1
-                sources.append(rows[0])
-        assert len(sources) == 8
-        for w in (0, 1):
-            mine = [v - value(w, 0) for v in sources if v // 1000 == w]
-            assert mine == list(range(len(mine))), f"worker {w}'s batches out of order: {mine}"
-        counts = [sum(1 for v in sources if v // 1000 == w) for w in (0, 1)]
-        assert counts[0] > counts[1], f"the fast worker delivered {counts[0]}, the slow one {counts[1]}"
-        assert pools[0][0].completed >= counts[0]
+    fake = FakeBackend(Script(), Script(delay=lambda n: 0.3))
+    pools = fake.pools
+    sources = []
+    async with _collector(fake, total_frames=E * T * 8, delivery="async") as c:
+        async for batch in c:
+            assert batch.batch_size == torch.Size([E, T])
+            rows = _source(batch)
+            assert len(set(rows)) == 1
+            sources.append(rows[0])
+    assert len(sources) == 8
+    for w in (0, 1):
+        mine = [v - value(w, 0) for v in sources if v // 1000 == w]
+        assert mine == list(range(len(mine))), f"worker {w}'s batches out of order: {mine}"
+    counts = [sum(1 for v in sources if v // 1000 == w) for w in (0, 1)]
+    assert counts[0] > counts[1], f"the fast worker delivered {counts[0]}, the slow one {counts[1]}"
+    assert pools[0][0].completed >= counts[0]
 
 
-async def test_a_failed_worker_raises_after_the_batches_completed_before(monkeypatch):
+async def test_a_failed_worker_raises_after_the_batches_completed_before():
     failed: list[WorkerFailed] = []
-    with fake_pool(monkeypatch, Script(), Script(fail_at=2)):
-        c = _collector(total_frames=16 * 5)
-        c.on(WorkerFailed, failed.append)
-        got = []
-        async with c:
-            with pytest.raises(WorkerError, match="fake worker 1 failed at its batch 2"):
-                async for batch in c:
-                    got.append(_source(batch))
-            assert c.state is State.STOPPED
-            with pytest.raises(WorkerError):  # the error stays: the collector is not reusable
-                await c.collect()
-        with pytest.raises(CollectorClosedError):
+    fake = FakeBackend(Script(), Script(fail_at=2))
+    c = _collector(fake, total_frames=16 * 5)
+    c.on(WorkerFailed, failed.append)
+    got = []
+    async with c:
+        with pytest.raises(WorkerError, match="fake worker 1 failed at its batch 2"):
+            async for batch in c:
+                got.append(_source(batch))
+        assert c.state is State.STOPPED
+        with pytest.raises(WorkerError):  # the error stays: the collector is not reusable
             await c.collect()
+    with pytest.raises(CollectorClosedError):
+        await c.collect()
     assert got == [[value(0, n)] * E + [value(1, n)] * E for n in range(2)]
     assert [e.worker for e in failed] == [1]
 
 
-async def test_a_restarted_worker_goes_on_where_its_seat_left_off(monkeypatch):
+async def test_a_restarted_worker_goes_on_where_its_seat_left_off():
     restarted: list[WorkerRestarted] = []
-    with fake_pool(monkeypatch, Script(), Script(fail_at=2)) as pools:
-        c = _collector(total_frames=16 * 5, on_worker_failure="restart", max_restarts=1)
-        c.on(WorkerRestarted, restarted.append)
-        async with c:
-            got = [_source(b) async for b in c]
-            assert c.stats().restarts == 1
+    fake = FakeBackend(Script(), Script(fail_at=2))
+    pools = fake.pools
+    c = _collector(fake, total_frames=16 * 5, on_worker_failure="restart", max_restarts=1)
+    c.on(WorkerRestarted, restarted.append)
+    async with c:
+        got = [_source(b) async for b in c]
+        assert c.stats().restarts == 1
     assert got == [[value(0, n)] * E + [value(1, n)] * E for n in range(5)]
     assert [e.worker for e in restarted] == [1] and pools[0][1].restarts == 1
 
 
-async def test_zero_copy_holds_the_slots_until_the_next_batch(monkeypatch):
+async def test_zero_copy_holds_the_slots_until_the_next_batch():
     """zero_copy=True: the consumer's batch is a view on the slots, which no worker gets back
     until the consumer asks for the next batch; then the view's data is still that batch's."""
-    with fake_pool(monkeypatch, Script(), Script()) as pools:
-        async with _collector(total_frames=16 * 4, zero_copy=True, prefetch=1) as c:
-            n = 0
-            async for batch in c:
-                await anyio.sleep(0.02)  # (the workers fill the other slots meanwhile)
-                for w in pools[0]:
-                    assert w.written[n] not in w.released[n:], "a held slot was released"
-                    assert len(w.released) == n
-                assert _source(batch) == [value(0, n)] * E + [value(1, n)] * E, "overwritten while held"
-                n += 1
-        assert n == 4
-        assert all(len(w.released) >= 3 for w in pools[0])
+    fake = FakeBackend(Script(), Script())
+    pools = fake.pools
+    async with _collector(fake, total_frames=16 * 4, zero_copy=True, prefetch=1) as c:
+        n = 0
+        async for batch in c:
+            await anyio.sleep(0.02)  # (the workers fill the other slots meanwhile)
+            for w in pools[0]:
+                assert w.written[n] not in w.released[n:], "a held slot was released"
+                assert len(w.released) == n
+            assert _source(batch) == [value(0, n)] * E + [value(1, n)] * E, "overwritten while held"
+            n += 1
+    assert n == 4
+    assert all(len(w.released) >= 3 for w in pools[0])
 
 
-async def test_a_cancelled_collect_loses_no_batch(monkeypatch):
-    with fake_pool(monkeypatch, Script(delay=lambda n: 0.2), Script(delay=lambda n: 0.2)):
-        async with _collector(total_frames=16 * 2, prefetch=0) as c:
-            with anyio.move_on_after(0.05) as scope:
-                await c.collect()
-            assert scope.cancelled_caught and c.batches == 0
-            assert _source(await c.collect()) == [value(0, 0)] * E + [value(1, 0)] * E
-            assert _source(await c.collect()) == [value(0, 1)] * E + [value(1, 1)] * E
-            with pytest.raises(EndOfCollection):
-                await c.collect()
-            assert c.batches == 2
+async def test_a_cancelled_collect_loses_no_batch():
+    fake = FakeBackend(Script(delay=lambda n: 0.2), Script(delay=lambda n: 0.2))
+    async with _collector(fake, total_frames=16 * 2, prefetch=0) as c:
+        with anyio.move_on_after(0.05) as scope:
+            await c.collect()
+        assert scope.cancelled_caught and c.batches == 0
+        assert _source(await c.collect()) == [value(0, 0)] * E + [value(1, 0)] * E
+        assert _source(await c.collect()) == [value(0, 1)] * E + [value(1, 1)] * E
+        with pytest.raises(EndOfCollection):
+            await c.collect()
+        assert c.batches == 2

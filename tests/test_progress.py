@@ -15,7 +15,7 @@ import tqdm
 import tqdm.std
 
 from aiocollect import Collector, ConfigError
-from aiocollect._service.front import progress as _progress
+from aiocollect._service import progress as _progress
 from aiocollect.testing import CountingEnv
 
 

@@ -400,7 +400,7 @@ def test_config_errors(monkeypatch):
         Collector("CartPole-v1", frames_per_batch=8, backend="ray", ray_actor_options={"max_restarts": 2})
     with pytest.raises(ConfigError, match="one per worker"):
         Collector("CartPole-v1", frames_per_batch=8, num_workers=2, backend="ray", ray_actor_options=[{}])
-    with pytest.raises(ConfigError, match="for backend='ray'"):
+    with pytest.raises(ConfigError, match="needs backend='ray'"):
         Collector("CartPole-v1", frames_per_batch=8, ray_actor_options={})
     with pytest.raises(ConfigError, match="'process', 'local' or 'ray'"):
         Collector("CartPole-v1", frames_per_batch=8, backend="dask")
@@ -410,7 +410,7 @@ def test_config_errors(monkeypatch):
 
     with pytest.raises(ConfigError, match="'process' or 'ray'"):
         Evaluator("CartPole-v1", backend="dask")
-    with pytest.raises(ConfigError, match="for backend='ray'"):
+    with pytest.raises(ConfigError, match="needs backend='ray'"):
         Evaluator("CartPole-v1", ray_actor_options={"num_cpus": 1})
     with pytest.raises(ConfigError, match="which Ray .* do not take"):
         Evaluator("CartPole-v1", backend="ray", ray_actor_options={"gpus": 1})

@@ -457,16 +457,17 @@ def test_envs_pickle_and_close_idempotently(make):
 
 
 def test_testing_module_imports_no_torch():
-    """Worker processes import this module; it must not pull torch or tensordict in."""
-    path = str(REPO / "aiocollect" / "testing.py")
+    """Worker processes import this module; it must not pull torch or tensordict in, nor any of
+    the package but itself."""
     code = textwrap.dedent(
-        f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("t", {path!r})
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        heavy = {{"torch", "tensordict", "aiocollect"}}
+        """
+        import sys
+        import aiocollect.testing
+        heavy = {"torch", "tensordict"}
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
         assert not loaded, loaded
+        ours = sorted(m for m in sys.modules if m.split(".")[0] == "aiocollect")
+        assert ours == ["aiocollect", "aiocollect.testing", "aiocollect.testing._failures"], ours
         """
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=child_env(REPO))

@@ -20,14 +20,8 @@ import anyio
 
 from .._core import heartbeat as _heartbeat
 from .._core import wire as _wire
-from .._core.errors import (
-    AiocollectError,
-    BrokenWorkerError,
-    WorkerError,
-    WorkerTimeoutError,
-    add_note,
-    worker_error_class,
-)
+from .._core.errors import BrokenWorkerError, WorkerTimeoutError
+from .failures import exited_unexpectedly, hung_error, unpacked_error, worker_error
 
 #: pids of the child processes this process started (the last 10,000 at least; tests check that
 #: they are all gone).
@@ -36,33 +30,6 @@ started_pids: list[int] = []
 #: seconds that stopping a child whose hello was not read yet waits for it (forking takes
 #: milliseconds, seconds on a loaded machine), whatever the stop's own timeout.
 HELLO_WAIT = 2.0
-
-
-def worker_error(
-    worker: int | None, pid: int | None, exc: BaseException | None, tb: str, who: str | None = None
-) -> BaseException:
-    """The exception the consumer sees for ``exc`` raised in a worker: our own errors (a
-    :class:`SpecError` ...) as themselves with the worker traceback as a note, anything else
-    wrapped in :class:`WorkerError` with the original as ``__cause__``: in the subclass that is also
-    the original's type (``WorkerValueError``), so ``except ValueError`` catches it too."""
-    if who is None:
-        who = "the local worker" if worker is None else f"worker {worker} (pid {pid})"
-    if isinstance(exc, AiocollectError):
-        add_note(exc, f"raised in {who}; worker traceback:\n{tb}")
-        return exc
-    what = f"{type(exc).__name__}: {exc}" if exc is not None else "an error"
-    frames = tb.rstrip()
-    header = "Traceback (most recent call last):\n"
-    if frames.startswith(header):  # (the message has its own header)
-        frames = frames[len(header) :]
-    message = f"{who} raised {what}\n\nWorker traceback (most recent call last):\n{frames}"
-    cls = worker_error_class(type(exc)) if exc is not None else WorkerError
-    try:
-        err = cls(message, worker=worker, worker_traceback=tb)
-    except Exception:  # noqa: BLE001 - the original type's constructor refused: a plain one
-        err = WorkerError(message, worker=worker, worker_traceback=tb)
-    err.__cause__ = exc
-    return err
 
 
 class ChildProcess:
@@ -184,23 +151,12 @@ class ChildProcess:
         return self.inbox.popleft()
 
     def broken(self) -> BrokenWorkerError:
-        return BrokenWorkerError(
-            f"{self.name} exited unexpectedly: its control socket closed without an error report. "
-            f"It was killed from outside (SIGKILL, the OOM killer) or crashed in native code; look "
-            f"at the process's stderr and `dmesg` for the cause{self.after_death}",
-            worker=self.index,
-        )
+        return exited_unexpectedly(self.name, self.index, self.after_death)
 
     def error_from(self, msg: Any) -> BaseException:
         """The exception for an :class:`~aiocollect._core.wire.Error` message (or any message with a
         packed ``exception`` and its ``traceback``, as the evaluator's ``Failed``)."""
-        import cloudpickle
-
-        try:
-            exc = cloudpickle.loads(msg.exception)
-        except Exception:  # the exception's class could not be loaded here
-            exc = None
-        return worker_error(self.index, self.pid, exc, msg.traceback, who=self.name)
+        return unpacked_error(self.index, self.pid, msg.exception, msg.traceback, self.name)
 
     async def expect(self, kind: type) -> Any:
         """The next message, which must be a ``kind``; an :class:`~aiocollect._core.wire.Error` raises
@@ -284,13 +240,7 @@ class ChildProcess:
                     if now and now == stack:
                         break
                     stack = now
-        fix = "pass on_worker_failure='restart' to replace hung workers and go on"
-        return WorkerTimeoutError(
-            _heartbeat.hang_message(self.name, what, env, seconds, timeout, stack, letter, fix),
-            worker=self.index,
-            env=_heartbeat.env_of(what, env),
-            doing=_heartbeat.describe(what, env),
-        )
+        return hung_error(self.name, self.index, (what, env, seconds), timeout, stack, letter)
 
     def close_fds(self) -> None:
         self.sock.close()

@@ -19,6 +19,7 @@ from .._core import shm as _shm
 from .child import HELLO_WAIT, ChildProcess
 from .._core.errors import BrokenWorkerError, WorkerError
 from .._core.eval_wire import Abort, Aborted, Answer, Configure, Error, Evaluate, Failed, Ready, Result, is_fatal
+from .failures import stop_on_failure
 from .launcher import get_launcher
 
 ENTRY = "aiocollect._worker.eval_main:serve"
@@ -59,16 +60,12 @@ class EvalProcess(ChildProcess):
         Raises what the worker raised while starting; it is gone then."""
         proc = cls.spawn(get_launcher(), needs, ENTRY, after_death=after_death)
         assert isinstance(proc, EvalProcess)
-        try:
+        async with stop_on_failure([proc]):
             fds = (proc.watch(),) if watch else ()
             await proc.handshake()
             await proc.send(Configure(worker_config), fds)
             await proc.expect(Ready)  # (an Error raises the worker's exception)
             await tg.start(proc.read, on_death)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await proc.stop(0)
-            raise
         return proc
 
     def watch(self) -> int:

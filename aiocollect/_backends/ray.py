@@ -23,11 +23,12 @@ from typing import Any, Callable
 import anyio
 import numpy as np
 
-from .._core.errors import BrokenWorkerError, ConfigError, SpecError, WorkerTimeoutError
-from .._core.heartbeat import STOPPED, UNRESPONSIVE, describe, env_of, hang_message, process_state
+from .._core.errors import ConfigError, WorkerTimeoutError
+from .._core.heartbeat import STOPPED, UNRESPONSIVE, process_state
 from .._core.layout import SlotLayout
 from .._worker.rollout import RolloutConfig
-from .workers import LoopSeat, OnApplied, OnReady, _Slots, allocate_segment, worker_error
+from .failures import REPLACE_DEAD, REPLACE_HUNG, changed_spec, hung_error, ray_error, stop_on_failure, unpacked_error
+from .workers import LoopSeat, OnApplied, OnReady, _Slots, allocate_segment
 
 log = logging.getLogger("aiocollect")
 
@@ -207,6 +208,29 @@ def kill_stopped(pid: int | None, state: str | None) -> None:
             pass
 
 
+async def kill_hung(
+    actor: Any, who: str, worker: int | None, pid: int | None, node: str, stuck: tuple[int, int, float],
+    timeout: float, fix: str, died: Callable[[], bool] = lambda: False,
+) -> WorkerTimeoutError | None:
+    """The error for an actor found hung (``stuck``: ``(what, env, seconds)``), with its Python
+    stack where it can still answer (1 s at most); the actor is killed. ``None`` (nothing killed)
+    if ``died()`` says it died of something else meanwhile."""
+    state = local_state(pid, node)
+    stack = ""
+    if stuck[0] != UNRESPONSIVE and state not in STOPPED:
+        with anyio.move_on_after(1.0):
+            try:
+                stack = await await_ref(actor.stack.options(concurrency_group="control").remote())
+            except Exception:  # noqa: BLE001 - died meanwhile
+                pass
+    if died():
+        return None
+    error = hung_error(who, worker, stuck, timeout, stack, state, fix)
+    import_ray().kill(actor, no_restart=True)
+    kill_stopped(pid, state)
+    return error
+
+
 _classes: dict[type, Any] = {}
 
 
@@ -370,31 +394,13 @@ class RayWorker(LoopSeat):
         return f"worker {self.index} (Ray actor, pid {self.actor_pid})"
 
     def _error(self, exc: BaseException, when: str = "") -> BaseException:
-        ray = import_ray()
-        if isinstance(exc, ray.exceptions.RayTaskError):  # the actor's constructor or a call raised
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, BaseException):
-                return worker_error(self.index, self.actor_pid, cause, str(exc), who=self._who())
-        if isinstance(exc, ray.exceptions.RayActorError):
-            return BrokenWorkerError(
-                f"{self._who()} died{' ' + when if when else ''}: {exc}\nIt was killed from outside (ray.kill, a "
-                f"node failure, the OOM killer) or crashed; pass on_worker_failure='restart' to replace dead workers "
-                f"and go on",
-                worker=self.index,
-            )
-        return exc
+        return ray_error(exc, self._who(), self.index, self.actor_pid, REPLACE_DEAD, when)
 
     def _failure(self, exc: BaseException) -> BaseException:
         return self.hung or self._error(exc)
 
     def _task_error(self, packed: bytes, text: str) -> BaseException:
-        import cloudpickle
-
-        try:
-            exc = cloudpickle.loads(packed)
-        except Exception:  # noqa: BLE001 - its class cannot be loaded here
-            exc = None
-        return worker_error(self.index, self.actor_pid, exc, text, who=self._who())
+        return unpacked_error(self.index, self.actor_pid, packed, text, self._who())
 
     # -- hangs ----------------------------------------------------------------------------------
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
@@ -421,25 +427,9 @@ class RayWorker(LoopSeat):
     async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
         """The actor has been in one call for ``seconds``: take its stack, kill it; :meth:`serve`
         then returns a :class:`WorkerTimeoutError`."""
-        ray = import_ray()
-        actor = self.actor
-        state = local_state(self.actor_pid, self.node)
-        stack = ""
-        if what != UNRESPONSIVE and state not in STOPPED:
-            with anyio.move_on_after(1.0):
-                try:
-                    stack = await await_ref(actor.stack.options(concurrency_group="control").remote())
-                except Exception:  # noqa: BLE001 - died meanwhile
-                    pass
-        fix = "pass on_worker_failure='restart' to replace hung workers and go on"
-        self.hung = WorkerTimeoutError(
-            hang_message(self._who(), what, env, seconds, timeout, stack, state, fix),
-            worker=self.index,
-            env=env_of(what, env),
-            doing=describe(what, env),
+        self.hung = await kill_hung(
+            self.actor, self._who(), self.index, self.actor_pid, self.node, (what, env, seconds), timeout, REPLACE_HUNG
         )
-        ray.kill(actor, no_restart=True)
-        kill_stopped(self.actor_pid, state)
 
     # -- replacement and shutdown ---------------------------------------------------------------
     async def replace(self, cfg: RolloutConfig) -> None:
@@ -454,10 +444,7 @@ class RayWorker(LoopSeat):
         try:
             pid, node, spec = await self.configure(actor)
             if spec != self.spec:
-                raise SpecError(
-                    f"the replacement of worker {self.index} reports batch leaves {spec}, but the worker "
-                    f"it replaces reported {self.spec}: its env or policy changed"
-                )
+                raise changed_spec(self.index, spec, self.spec)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await kill_actor(actor, None, "")
@@ -530,7 +517,7 @@ async def start_ray_workers(configs: list[RolloutConfig], options: list[dict]) -
     ensure_ray(ray)
     snapshots = _Snapshots()
     workers = [RayWorker(i, options[i], snapshots) for i in range(len(configs))]
-    try:
+    async with stop_on_failure(workers):
         for w, cfg in zip(workers, configs):
             w.actor = w.spawn(cfg)
 
@@ -546,11 +533,6 @@ async def start_ray_workers(configs: list[RolloutConfig], options: list[dict]) -
             tg.cancel_scope.cancel()
         log.debug("aiocollect: %d Ray actors ready in %.1f s", len(workers), time.perf_counter() - t0)
         return workers, [w.spec for w in workers]  # type: ignore[misc]
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            for w in workers:
-                await w.stop(0)
-        raise
 
 
 _SLOW_START = 20.0  # seconds after which actors not yet up are logged (Ray may lack their resources)
@@ -588,6 +570,7 @@ def setup_ray_slots(workers: list[RayWorker], layout: SlotLayout, shared_store: 
 
 
 __all__ = [
-    "RayWorker", "actor_class", "await_ref", "check_actor_options", "import_ray", "kill_actor", "setup_ray_slots",
+    "RayWorker", "actor_class", "await_ref", "check_actor_options", "import_ray", "kill_actor", "kill_hung",
+    "setup_ray_slots",
     "start_ray_workers",
 ]

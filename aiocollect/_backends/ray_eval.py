@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 import anyio
 
-from .._core.errors import BrokenWorkerError, WorkerError, WorkerTimeoutError
+from .._core.errors import WorkerError
 from .._core.eval_wire import Aborted, Answer, Failed, Result
-from .._core.heartbeat import STOPPED, UNRESPONSIVE, describe, env_of, hang_message
-from .ray import actor_class, await_ref, import_ray, kill_actor, kill_stopped, local_state
-from .workers import worker_error
+from .._core.heartbeat import UNRESPONSIVE
+from .failures import actor_died, stop_on_failure, unpacked_error
+from .ray import actor_class, await_ref, import_ray, kill_actor, kill_hung
 
 _PING = 1.0  # seconds between checks that an idle actor is alive
 
@@ -65,7 +65,7 @@ class RayEvalWorker:
         ensure_ray(import_ray())
         actor = actor_class(EvalActor).options(max_concurrency=1, **options).remote()
         worker = cls(actor, options, after_death=after_death)
-        try:
+        async with stop_on_failure([worker]):
             try:
                 answer = await await_ref(worker.actor.setup.remote(worker_config, watch))
             except Exception as exc:  # noqa: BLE001 - it died while starting
@@ -74,27 +74,13 @@ class RayEvalWorker:
                 raise worker._error(answer[1], answer[2])
             _, worker.pid, worker.node = answer
             await tg.start(worker.read, on_death)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await worker.stop(0)
-            raise
         return worker
 
     def _died(self, exc: BaseException) -> WorkerError:
-        return self.hung or BrokenWorkerError(
-            f"{self.name} died: {exc}\nIt was killed from outside (ray.kill, a node failure, the OOM killer) or "
-            f"crashed{self.after_death}",
-            worker=None,
-        )
+        return self.hung or actor_died(self.name, None, exc, self.after_death)
 
     def _error(self, packed: bytes, text: str) -> BaseException:
-        import cloudpickle
-
-        try:
-            exc = cloudpickle.loads(packed)
-        except Exception:  # noqa: BLE001 - its class cannot be loaded here
-            exc = None
-        return worker_error(None, self.pid, exc, text, who=self.name)
+        return unpacked_error(None, self.pid, packed, text, self.name)
 
     # -- liveness -----------------------------------------------------------------------------------
     async def read(self, on_death: Callable[["RayEvalWorker", WorkerError], None], *, task_status: Any) -> None:
@@ -160,25 +146,10 @@ class RayEvalWorker:
             return
         if stuck is None:
             return
-        what, env, seconds = stuck
-        state = local_state(self.pid, self.node)
-        stack = ""
-        if what != UNRESPONSIVE and state not in STOPPED:
-            with anyio.move_on_after(1.0):
-                try:
-                    stack = await await_ref(self.actor.stack.options(concurrency_group="control").remote())
-                except Exception:  # noqa: BLE001
-                    pass
-        if self.dead is None:
-            fix = "pass on_worker_failure='restart' to run the evaluation again on a new worker"
-            self.hung = WorkerTimeoutError(
-                hang_message(self.name, what, env, seconds, timeout, stack, state, fix),
-                worker=None,
-                env=env_of(what, env),
-                doing=describe(what, env),
-            )
-            import_ray().kill(self.actor, no_restart=True)
-            kill_stopped(self.pid, state)
+        fix = "pass on_worker_failure='restart' to run the evaluation again on a new worker"
+        self.hung = await kill_hung(
+            self.actor, self.name, None, self.pid, self.node, stuck, timeout, fix, died=lambda: self.dead is not None
+        )
 
     def stop_nowait(self) -> None:
         """Kill the actor now (the event loop is going away)."""

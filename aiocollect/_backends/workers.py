@@ -8,6 +8,7 @@ only the process behind it changes (:meth:`WorkerHandle.replace`).
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 import traceback
@@ -18,8 +19,8 @@ import anyio
 
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
-from .child import ChildProcess, started_pids, worker_error
-from .._core.errors import SpecError
+from .child import ChildProcess, started_pids
+from .failures import changed_spec, stop_on_failure, worker_error
 from .._core.layout import SlotLayout
 from .._worker.rollout import Rollout, RolloutConfig
 from .._worker.vector import open_rollout
@@ -42,8 +43,10 @@ class _Slots:
         self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
 
 
-class WorkerHandle:
-    """What the producer sees of a worker seat.
+class WorkerHandle(abc.ABC):
+    """What the producer sees of a rollout worker seat: the bookkeeping every kind shares (its
+    batches completed, the slots it holds, its counters); each kind of worker implements the
+    verbs of :class:`~aiocollect._backends.seat.RolloutSeat` on it.
 
     ``ready`` holds ``(slot, BatchInfo)`` for batches completed and not yet taken; ``held`` the slots
     taken by the producer and not yet released; ``completed`` counts the batches the seat's
@@ -52,6 +55,7 @@ class WorkerHandle:
 
     index: int
     slots: _Slots
+    hung: BaseException | None = None  # set by the watchdog before it kills the worker
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -83,11 +87,13 @@ class WorkerHandle:
         self.completed += 1
         self.counters = info.traj_counters
 
+    @abc.abstractmethod
     async def grant(self, credits: int) -> None:
-        raise NotImplementedError
+        """Let the worker fill ``credits`` more batches."""
 
+    @abc.abstractmethod
     async def release(self, slot: int) -> None:
-        raise NotImplementedError
+        """The consumer is done with ``slot``: the worker may fill it again."""
 
     async def nudge(self) -> None:
         """New weights are published: an idle worker applies them now."""
@@ -98,26 +104,31 @@ class WorkerHandle:
     def profile_off(self) -> None:
         """Drop a profiler recording in progress (no trace is written)."""
 
+    @abc.abstractmethod
     async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
         """Handle the worker's reports until it fails; return its error."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def replace(self, cfg: RolloutConfig) -> None:
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
-        raise NotImplementedError
 
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
-        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``."""
+        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``
+        (never, for a seat that has no watchdog: then it is never declared hung)."""
         return None
 
     async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
-        raise NotImplementedError
+        """Take the hung worker's stack into :attr:`hung` and kill it (only after :meth:`stuck`
+        reported it: a seat whose :meth:`stuck` reports nothing keeps this)."""
+        raise AssertionError(f"{type(self).__name__} reported no hang")  # pragma: no cover
 
+    @abc.abstractmethod
     async def stop(self, timeout: float) -> None:
-        raise NotImplementedError
+        """Ask the worker to close its envs and exit; kill it after ``timeout`` seconds."""
 
+    @abc.abstractmethod
     def stop_nowait(self) -> None:
-        raise NotImplementedError
+        """Kill the worker now (the event loop is going away: nothing may be awaited)."""
 
 
 class ProcessWorker(WorkerHandle):
@@ -136,7 +147,6 @@ class ProcessWorker(WorkerHandle):
         self.store_fds: tuple[int, ...] = ()  # the weight stores' memfds (kept by WeightSync)
         self.watch = False
         self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
-        self.hung: BaseException | None = None  # set by the watchdog before it kills the process
         self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
         self.own_store: Any = None
 
@@ -251,14 +261,11 @@ class ProcessWorker(WorkerHandle):
         self.hung = None
         self.restarts += 1
         proc = self.spawn()
-        try:
+        async with stop_on_failure([proc], forget=self._forget_process):
             # not installed until configured: a credit or release must not reach it before its config
             spec = await self.configure(proc, cfg)
             if spec != self.spec:
-                raise SpecError(
-                    f"the replacement of worker {self.index} reports batch leaves {spec}, but the worker "
-                    f"it replaces reported {self.spec}: its env or policy changed"
-                )
+                raise changed_spec(self.index, spec, self.spec)
             assert self.monitor is not None
             self.monitor.reset()
             self.progress.reset()
@@ -267,11 +274,9 @@ class ProcessWorker(WorkerHandle):
             await self.give_slots(self.free_slots())  # (slots released meanwhile are free now)
             if self.own_store is not None:
                 await self.give_store(self.own_store)
-        except BaseException:
-            self.proc = None
-            with anyio.CancelScope(shield=True):
-                await proc.stop(0)
-            raise
+
+    def _forget_process(self) -> None:
+        self.proc = None
 
     async def stop(self, timeout: float) -> None:
         """Ask the worker to close its envs and exit; kill it after ``timeout`` seconds."""
@@ -308,7 +313,7 @@ async def start_process_workers(
     each gets ``shutdown_timeout`` seconds to finish building its envs and close them, then is
     killed (those whose hello was not read yet are waited for too)."""
     workers: list[ProcessWorker] = []
-    try:
+    async with stop_on_failure(workers, shutdown_timeout):
         for i in range(len(configs)):
             w = ProcessWorker(i, launcher, needs)
             workers.append(w)
@@ -321,12 +326,6 @@ async def start_process_workers(
             for w, cfg in zip(workers, configs):
                 tg.start_soon(handshake, w, cfg)
         return workers, [w.spec for w in workers]  # type: ignore[misc]
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
-                for w in workers:
-                    tg.start_soon(w.stop, shutdown_timeout)
-        raise
 
 
 async def setup_process_slots(

@@ -24,6 +24,8 @@ CORE = ("torch", "tensordict", "gymnasium", "numpy", "anyio", "cloudpickle", "uv
 # buffers on its batches, EnvPool's envs
 ALSO = ("trio", "torchrl", "envpool")
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # aiocollect/
+
 
 class _CliError(Exception):
     """A problem with the command line's input: printed as ``error: ...`` with exit status 2."""
@@ -60,7 +62,7 @@ def _source_tree_extras() -> list[str] | None:
     installed metadata writes them (``name>=x; extra == "progress"``), or None."""
     import tomllib
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    path = os.path.join(os.path.dirname(_PACKAGE_DIR), "pyproject.toml")
     try:
         with open(path, "rb") as f:
             project = tomllib.load(f).get("project", {})
@@ -122,7 +124,7 @@ def gather_info(cuda_names: bool = False) -> dict[str, Any]:
         usable = None
     extras = _extras()
     return {
-        "aiocollect": {"version": __version__, "path": os.path.dirname(os.path.abspath(__file__))},
+        "aiocollect": {"version": __version__, "path": _PACKAGE_DIR},
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "packages": {name: dist_version(name) for name in CORE},

@@ -21,7 +21,8 @@ from .._service.portal import Portal
 from .blocking import BlockingMixin
 from .config import CollectorConfig
 from .._core.errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
-from .._backends.launcher import get_launcher
+from .._backends.seat import Backend
+from .._backends.table import backend_object
 from .._worker.policy import PolicySpec, classify
 from .._core.profiling import ProfileConfig
 from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
@@ -100,6 +101,13 @@ class Collector(Service, BlockingMixin):
     envs that cannot give such data (next-step autoreset without a way to reset some sub-envs,
     an unknown autoreset mode) are refused with a :class:`SpecError`. See ``docs/vector-envs.md``.
 
+    **Backends.** ``backend`` names where the workers run: ``"process"`` (the default with
+    ``num_workers>=1``), ``"local"`` (``num_workers=0``) or ``"ray"`` (see
+    :attr:`CollectorConfig.backend`). It also takes a backend object instead of a name, to plug
+    in a fake pool of workers for tests or a backend of your own: any object with the members of
+    ``aiocollect._backends.seat.Backend`` (``name``, ``weights_in_parent``, ``warm_up``, ``start``,
+    ``share_slots``); the options are then checked as for the default backend.
+
     See :class:`CollectorConfig` for every option.
     """
 
@@ -149,72 +157,25 @@ class Collector(Service, BlockingMixin):
         server_priority: str = "normal",
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
-        backend: str | None = None,
+        backend: str | Backend | None = None,
         ray_actor_options: dict | Sequence[dict] | None = None,
         worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
         categorical_action_encoding: bool = True,
     ) -> None:
-        self.config = CollectorConfig(
-            create_env_fn=create_env_fn,
-            policy=policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            num_workers=num_workers,
-            envs_per_worker=envs_per_worker,
-            delivery=delivery,  # type: ignore[arg-type]
-            inference=inference,  # type: ignore[arg-type]
-            create_env_kwargs=create_env_kwargs,
-            policy_factory=policy_factory,
-            max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter,
-            split_trajs=split_trajs,
-            exploration_type=exploration_type,
-            progress=progress,
-            seed=seed,
-            prefetch=prefetch,
-            zero_copy=zero_copy,
-            shutdown_timeout=shutdown_timeout,
-            postproc=postproc,
-            update_at_each_batch=update_at_each_batch,
-            trajs_per_batch=trajs_per_batch,
-            traj_format=traj_format,  # type: ignore[arg-type]
-            on_worker_failure=on_worker_failure,  # type: ignore[arg-type]
-            max_restarts=max_restarts,
-            restart_window=restart_window,
-            step_timeout=step_timeout,
-            profile=profile,
-            check_finite=check_finite,
-            action_bounds=action_bounds,  # type: ignore[arg-type]
-            device=device,
-            policy_device=policy_device,
-            env_device=env_device,
-            storing_device=storing_device,
-            worker_groups=worker_groups,
-            env_batch_size=env_batch_size,
-            server_priority=server_priority,  # type: ignore[arg-type]
-            compile_policy=compile_policy,
-            cudagraph_policy=cudagraph_policy,
-            backend=backend,  # type: ignore[arg-type]
-            ray_actor_options=ray_actor_options,
-            worker_cpus=worker_cpus,
-            categorical_action_encoding=categorical_action_encoding,
-        )
-        self._run = run = Run(self.config)
+        plugged_in = None if backend is None or isinstance(backend, str) else backend_object(backend)
+        if plugged_in is not None:
+            backend = None  # (the config checks the options as for the default backend)
+        options = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
+        self.config = CollectorConfig(**options)
+        self._run = run = Run(self.config, plugged_in)
         run.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
         self._portal = portal = Portal(run)
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
         _register_iterable_dataset(type(self))
-        if self.config.backend_name == "process":
-            # Let the launcher import what the workers need while the caller does other things.
-            if inference == "server" or (policy is None and policy_factory is None):
-                kind = "server" if inference == "server" else "random"  # (no torch in the workers)
-            else:
-                kind = "factory" if policy is None else classify(policy)[0]
-            needs = PolicySpec(kind).needs
-            get_launcher().ensure_started(needs)
+        # let the backend prepare (the launcher import what the workers need) while the caller does other things
+        run.backend.warm_up(_needs(self.config))
 
     # -- public state -----------------------------------------------------------------------------
     @property
@@ -538,6 +499,19 @@ def _describe(run: Run) -> str:
         f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.frames} frames>"
     )
 
+
+
+# the keyword arguments of Collector() that CollectorConfig takes (all of them)
+_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(CollectorConfig))
+
+
+def _needs(config: CollectorConfig) -> Any:
+    """What the workers will import for this config's policy (the backend prepares it early)."""
+    if config.inference == "server" or (config.policy is None and config.policy_factory is None):
+        kind = "server" if config.inference == "server" else "random"  # (no torch in the workers)
+    else:
+        kind = "factory" if config.policy is None else classify(config.policy)[0]
+    return PolicySpec(kind).needs
 
 def _finalize(run: Run, portal: Portal) -> None:  # (a finalizer: must not refer to the collector)
     """The collector was garbage-collected (or the interpreter exits): stop what it left running."""

@@ -14,20 +14,52 @@ from .._core.datachecks import ActionBounds
 from .._core.errors import ConfigError, user_stacklevel
 from .._core.limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed
 from .._service.options import (
+    RAY_PLACES_ACTORS,
+    Needs,
+    check_bool,
+    check_choice,
     check_data_options,
     check_env_id,
     check_kwargs,
+    check_needs,
     check_platform,
     check_policy_args,
     check_sendable_to_workers,
-    check_strs,
     check_worker_count,
     exploration_name,
     format_size,
+    multiples_around,
     positive_int,
     positive_seconds,
 )
 from .._core.public import public
+
+_SERVER = "inference", ("server",)
+
+MODE_OPTIONS: tuple[Needs, ...] = (
+    Needs("worker_groups", 1, *_SERVER, "alternates groups of envs around the inference server's forward passes",
+          "use inference='server' (with worker inference each worker acts for all its envs)"),
+    Needs("env_batch_size", None, *_SERVER, "sizes the inference server's forward passes",
+          "use inference='server' (worker inference runs one pass per worker over its own envs)"),
+    Needs("server_priority", "normal", *_SERVER, "is the priority of the inference server's thread",
+          "use inference='server' (with worker inference there is no server)"),
+    Needs("compile_policy", False, *_SERVER, "wraps the policy the inference server runs",
+          "use inference='server' (worker inference runs a plain copy of the policy in each worker)"),
+    Needs("cudagraph_policy", False, *_SERVER, "wraps the policy the inference server runs",
+          "use inference='server' (worker inference runs a plain copy of the policy in each worker)"),
+    Needs("ray_actor_options", None, "backend_name", ("ray",), "sets the options of the workers' Ray actors",
+          "pass backend='ray' or drop it", label="backend"),
+    Needs("worker_cpus", None, "backend_name", ("process",), "places the worker processes on CPUs", {
+        "local": "with num_workers=0 the envs run in this process; use num_workers>=1, or set this process's CPUs "
+                 "yourself (os.sched_setaffinity(0, cpus))",
+        "ray": RAY_PLACES_ACTORS,
+    }, label="backend"),
+    Needs("step_timeout", None, "backend_name", ("process", "ray"), "declares a worker hung after that long",
+          "with num_workers=0 the envs step in the event loop's own thread, where a hung env cannot be watched or "
+          "killed; use num_workers>=1", label="backend"),
+)
+"""The collector's options that mean something only under another setting: each set without it
+is refused, naming both (checked in this order, once the settings themselves are valid)."""
 
 
 @public
@@ -231,6 +263,19 @@ class CollectorConfig:
         return resolve_devices(self)
 
     def __post_init__(self) -> None:
+        self._check_env_fn()
+        self._check_sizes()
+        self._check_choices()
+        self._check_backend()
+        check_needs(self, MODE_OPTIONS)  # options that mean something only under another setting
+        self._check_placement()
+        self._check_policy()
+        self._check_batch_shape()
+        self._check_flags()
+        self._check_delivery()
+        self._check_lifecycle()
+
+    def _check_env_fn(self) -> None:
         if isinstance(self.num_workers, int) and self.num_workers > 0:
             check_platform("Collector(num_workers>=1)")
         fn = self.create_env_fn
@@ -240,17 +285,20 @@ class CollectorConfig:
             raise ConfigError(
                 f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env"
             )
+
+    def _check_sizes(self) -> None:
+        """``frames_per_batch``, ``total_frames`` (rounded up to whole batches, as TorchRL does) and
+        the numbers of workers and envs."""
         positive_int("frames_per_batch", self.frames_per_batch)
         if isinstance(self.total_frames, bool) or not isinstance(self.total_frames, int):
             raise ConfigError(f"total_frames={self.total_frames!r} must be an int (-1 for endless)")
         if self.total_frames != -1:
             if self.total_frames <= 0:
                 raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 to collect forever")
-            if self.total_frames % self.frames_per_batch:
+            lower, upper = multiples_around(self.total_frames, self.frames_per_batch)
+            if upper != self.total_frames:
                 # TorchRL's collectors warn and collect up to the next whole batch: so do we (a
                 # ported script keeps its numbers)
-                lower = self.total_frames // self.frames_per_batch * self.frames_per_batch
-                upper = lower + self.frames_per_batch
                 warnings.warn(
                     f"total_frames={self.total_frames} is not a multiple of frames_per_batch={self.frames_per_batch}: "
                     f"collecting {upper} frames ({upper // self.frames_per_batch} whole "
@@ -264,39 +312,62 @@ class CollectorConfig:
         positive_int("num_workers", self.num_workers, allow_zero=True)
         check_worker_count(self.num_workers)
         positive_int("envs_per_worker", self.envs_per_worker)
-        check_strs(self, {"delivery": "'sync' or 'async'", "inference": "'worker' or 'server'", "traj_format": "'pad' (or 'padded') or 'cat'",
-                           "on_worker_failure": "'raise' or 'restart'"})
-        if self.delivery not in ("sync", "async"):
-            raise ConfigError(f"delivery={self.delivery!r} must be 'sync' or 'async'")
-        if self.inference not in ("worker", "server"):
-            raise ConfigError(f"inference={self.inference!r} must be 'worker' or 'server'")
-        self._check_worker_cpus()
-        self._check_backend()
+
+    def _check_choices(self) -> None:
+        """Options that are one of a few words (TorchRL's ``traj_format="padded"`` taken as ``"pad"``)."""
+        check_choice("delivery", self.delivery, ("sync", "async"))
+        check_choice("inference", self.inference, ("worker", "server"))
+        check_choice("traj_format", self.traj_format, ("pad", "padded", "cat"), "'pad' (or TorchRL's 'padded') or 'cat'")
+        if self.traj_format == "padded":  # TorchRL's spelling of the same layout
+            object.__setattr__(self, "traj_format", "pad")
+        check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
+        check_choice("server_priority", self.server_priority, ("normal", "idle"))
+        check_choice("backend", self.backend, ("process", "local", "ray", None),
+                     "'process', 'local' or 'ray' (or None: chosen by num_workers)")
+
+    def _check_backend(self) -> None:
+        backend = self.backend
+        if backend == "local" and self.num_workers != 0:
+            raise ConfigError(
+                f"backend='local' runs the envs in the collector's own process, but num_workers={self.num_workers}; "
+                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
+            )
+        if backend in ("process", "ray") and self.num_workers == 0:
+            what = "worker processes" if backend == "process" else "Ray actors"
+            raise ConfigError(
+                f"backend={backend!r} runs the envs in {what}, but num_workers=0; use num_workers>=1 "
+                f"(num_workers=0 is the local backend)"
+            )
+        if backend != "ray":
+            return
+        for option, value, default in (("inference", self.inference, "worker"), ("profile", self.profile, None)):
+            if value != default:
+                what = {"inference": "server inference (the workers share memory with the collector's server)",
+                        "profile": "the profiler (its traces are files on the workers' machine)"}[option]
+                raise ConfigError(
+                    f"backend='ray' does not support {what} yet: {option}={value!r}; use backend='process' for it"
+                )
+
+    def _check_placement(self) -> None:
+        """Where the workers run: Ray's actor options, the worker processes' CPUs."""
+        if self.backend == "ray":
+            from .._backends.ray import check_actor_options
+
+            check_actor_options(self.ray_actor_options, self.workers)
+        if self.worker_cpus is not None:
+            from .._core.affinity import normalize_cpus
+
+            object.__setattr__(self, "worker_cpus", normalize_cpus(self.worker_cpus, self.workers))
+
+    def _check_policy(self) -> None:
+        """``policy`` and ``policy_factory``, and where the policy runs (the server's options, devices)."""
         check_policy_args(self.policy, self.policy_factory)
         if self.inference == "server":
             from .inference_server import check_server_config
 
             check_server_config(self)
-        elif self.worker_groups != 1:
-            raise ConfigError(
-                f"worker_groups={self.worker_groups!r} alternates groups of envs around the inference server's "
-                f"forward passes; use inference='server' (with worker inference each worker acts for all its envs)"
-            )
-        elif self.env_batch_size is not None:
-            raise ConfigError(
-                f"env_batch_size={self.env_batch_size!r} sizes the inference server's forward passes; use "
-                f"inference='server' (worker inference runs one pass per worker over its own envs)"
-            )
-        if not isinstance(self.server_priority, str) or self.server_priority not in ("normal", "idle"):
-            raise ConfigError(f"server_priority={self.server_priority!r} must be 'normal' or 'idle'")
-        if self.server_priority != "normal":
-            if self.inference != "server":
-                raise ConfigError(
-                    f"server_priority={self.server_priority!r} is the priority of the inference server's thread; use "
-                    f"inference='server' (with worker inference there is no server)"
-                )
-            if not hasattr(os, "SCHED_IDLE"):  # pragma: no cover - Linux has it
-                raise ConfigError("server_priority='idle' needs Linux's SCHED_IDLE scheduling policy")
+        if self.server_priority == "idle" and not hasattr(os, "SCHED_IDLE"):  # pragma: no cover - Linux has it
+            raise ConfigError("server_priority='idle' needs Linux's SCHED_IDLE scheduling policy")
         from .inference_server import check_wrapping
 
         check_wrapping(self)
@@ -321,28 +392,36 @@ class CollectorConfig:
                 f"policy_factory={factory!r} is not callable; pass a function that builds the policy, "
                 f"or a list of one per worker"
             )
+
+    def _check_batch_shape(self) -> None:
+        """``frames_per_batch`` splits evenly over the envs that fill a batch."""
         check_kwargs("create_env_kwargs", self.create_env_kwargs)
         envs = self.envs_per_batch
         if self.frames_per_batch % envs:
             who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
-            lower = self.frames_per_batch // envs * envs
             raise ConfigError(
                 f"frames_per_batch={self.frames_per_batch} is not a multiple of the {envs} envs that fill "
-                f"each batch ({who}); use frames_per_batch={lower + envs}" + (f" or {lower}" if lower else "")
+                f"each batch ({who}); {self.frames_per_batch_fix(envs)}"
             )
         if self.max_frames_per_traj is not None:
             positive_int("max_frames_per_traj", self.max_frames_per_traj)
         if self.init_random_frames is not None:
             positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
+
+    def _check_flags(self) -> None:
         for name in ("reset_at_each_iter", "split_trajs", "progress", "categorical_action_encoding"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+            check_bool(name, getattr(self, name))
         if self.progress:
             from .._service.progress import check_available
 
             check_available()
         object.__setattr__(self, "exploration_type", exploration_name(self.exploration_type))
         check_seed(self.seed, offset=self.seed_offset)
+        check_data_options(self.check_finite, self.action_bounds)
+
+    def _check_delivery(self) -> None:
+        """How batches are delivered: ``prefetch``, ``zero_copy``, ``trajs_per_batch``, the slots'
+        memory, ``update_at_each_batch`` and ``postproc``."""
         positive_int("prefetch", self.prefetch, allow_zero=True)
         if self.zero_copy not in (False, True, "debug") or type(self.zero_copy) not in (bool, str):
             raise ConfigError(f"zero_copy={self.zero_copy!r} must be False, True or 'debug'")
@@ -359,13 +438,7 @@ class CollectorConfig:
                     f"trajs_per_batch={self.trajs_per_batch} and split_trajs=True both reshape batches into trajectories; "
                     "trajs_per_batch already gives padded complete trajectories: drop split_trajs"
                 )
-        check_data_options(self.check_finite, self.action_bounds)
-        if self.traj_format == "padded":  # TorchRL's spelling of the same layout
-            object.__setattr__(self, "traj_format", "pad")
-        if self.traj_format not in ("pad", "cat"):
-            raise ConfigError(f"traj_format={self.traj_format!r} must be 'pad' (or TorchRL's 'padded') or 'cat'")
-        if not isinstance(self.update_at_each_batch, bool):
-            raise ConfigError(f"update_at_each_batch={self.update_at_each_batch!r} must be True or False")
+        check_bool("update_at_each_batch", self.update_at_each_batch)
         if self.update_at_each_batch and self.policy is None:
             raise ConfigError(
                 "update_at_each_batch=True pulls the weights of `policy` before each batch, but no policy "
@@ -373,28 +446,22 @@ class CollectorConfig:
             )
         if self.postproc is not None and not callable(self.postproc):
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
-        if isinstance(self.shutdown_timeout, bool) or not (isinstance(self.shutdown_timeout, (int, float)) and self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
-            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number of seconds >= 0")
+
+    def _check_lifecycle(self) -> None:
+        """Start, failures and shutdown: what travels to the workers, restarts, timeouts, the profiler."""
+        positive_seconds("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
+        fn = self.create_env_fn
         if isinstance(fn, str) and self.num_workers > 0:
             from .._core.registry import check_sendable
 
             check_sendable(fn)  # the id's spec must reach the worker processes
         if self.num_workers > 0:
             check_sendable_to_workers(fn, self.create_env_kwargs)
-
-        if self.on_worker_failure not in ("raise", "restart"):
-            raise ConfigError(f"on_worker_failure={self.on_worker_failure!r} must be 'raise' or 'restart'")
         positive_int("max_restarts", self.max_restarts, allow_zero=True)
         if self.restart_window is not None:
             positive_seconds("restart_window", self.restart_window, "or None to count over the whole run")
         if self.step_timeout is not None:
             positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
-            if self.num_workers == 0:
-                raise ConfigError(
-                    f"step_timeout={self.step_timeout!r} needs worker processes: with num_workers=0 the envs step "
-                    f"in the event loop's own thread, where a hung env cannot be watched or killed; use "
-                    f"num_workers>=1"
-                )
         if self.profile is not None:
             from .._core.profiling import ProfileConfig
 
@@ -406,51 +473,6 @@ class CollectorConfig:
                     f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
                     f"collector has {self.workers} (indices 0..{self.workers - 1})"
                 )
-
-    def _check_backend(self) -> None:
-        backend = self.backend
-        if backend is not None and (not isinstance(backend, str) or backend not in ("process", "local", "ray")):
-            raise ConfigError(f"backend={backend!r} must be 'process', 'local' or 'ray' (or None: chosen by num_workers)")
-        if backend == "local" and self.num_workers != 0:
-            raise ConfigError(
-                f"backend='local' runs the envs in the collector's own process, but num_workers={self.num_workers}; "
-                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
-            )
-        if backend in ("process", "ray") and self.num_workers == 0:
-            what = "worker processes" if backend == "process" else "Ray actors"
-            raise ConfigError(
-                f"backend={backend!r} runs the envs in {what}, but num_workers=0; use num_workers>=1 "
-                f"(num_workers=0 is the local backend)"
-            )
-        if self.ray_actor_options is not None and backend != "ray":
-            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
-        if backend != "ray":
-            return
-        for option, value, default in (("inference", self.inference, "worker"), ("profile", self.profile, None)):
-            if value != default:
-                what = {"inference": "server inference (the workers share memory with the collector's server)",
-                        "profile": "the profiler (its traces are files on the workers' machine)"}[option]
-                raise ConfigError(
-                    f"backend='ray' does not support {what} yet: {option}={value!r}; use backend='process' for it"
-                )
-        from .._backends.ray import check_actor_options
-
-        check_actor_options(self.ray_actor_options, self.workers)
-
-    def _check_worker_cpus(self) -> None:
-        if self.worker_cpus is None:
-            return
-        backend = self.backend_name
-        if backend == "local":
-            raise ConfigError(
-                "worker_cpus places worker processes, but with num_workers=0 the envs run in this process; use "
-                "num_workers>=1, or set this process's CPUs yourself (os.sched_setaffinity(0, cpus))"
-            )
-        from .._core.affinity import normalize_cpus, not_on_ray
-
-        if backend == "ray":
-            raise not_on_ray("worker_cpus", "worker processes")
-        object.__setattr__(self, "worker_cpus", normalize_cpus(self.worker_cpus, self.workers))
 
     @property
     def seed_offset(self) -> int:
@@ -559,7 +581,17 @@ class CollectorConfig:
     @property
     def frames_per_env(self) -> int:
         """``T``: frames each env contributes to a batch."""
-        return self.frames_per_batch // self.envs_per_batch
+        return self.frames_per_row()
+
+    def frames_per_row(self, sub_envs: int = 1) -> int:
+        """``T`` where each env is ``sub_envs`` rows of the batch (a vector env's sub-envs)."""
+        return self.frames_per_batch // (self.envs_per_batch * sub_envs)
+
+    def frames_per_batch_fix(self, rows: int) -> str:
+        """The way out for a ``frames_per_batch`` that is not a multiple of the ``rows`` env rows
+        filling a batch: the multiples next to it."""
+        lower, upper = multiples_around(self.frames_per_batch, rows)
+        return f"use frames_per_batch={upper}" + (f" or {lower}" if lower else "")
 
     @property
     def total_batches(self) -> int | None:

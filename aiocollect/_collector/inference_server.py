@@ -473,11 +473,6 @@ def check_wrapping(config: Any) -> None:
         value = getattr(config, name)
         if not isinstance(value, (bool, dict)) or (isinstance(value, dict) and not all(isinstance(k, str) for k in value)):
             raise ConfigError(f"{name}={value!r} must be False, True or a dict of keyword arguments (str keys)")
-        if value is not False and config.inference != "server":
-            raise ConfigError(
-                f"{name}={value!r} wraps the policy the inference server runs; use inference='server' (worker "
-                f"inference runs a plain copy of the policy in each worker)"
-            )
     if config.cudagraph_policy is not False:
         import torch
 

@@ -43,6 +43,8 @@ from .startup import import_in_thread, launch_workers, stop_workers
 from .._service.supervisor import RestartBudget, supervise, watchdog
 from .._service.systask import spawn_system_task
 from .weightsync import WeightSync, check_worker_ids
+from .._backends.seat import Backend
+from .._backends.table import backend_named
 from .._backends.workers import WorkerHandle
 from .._core.wire import BatchInfo
 from .._core.public import public
@@ -75,15 +77,16 @@ State = CollectorState  # the name it had first, still exported
 class Run:
     """The state and tasks of one collector (see the module docstring)."""
 
-    def __init__(self, config: CollectorConfig) -> None:
+    def __init__(self, config: CollectorConfig, backend: Backend | None = None) -> None:
         c = self.config = config
+        # where the workers run: the backend named by the config, or the object passed in
+        self.backend: Backend = backend if backend is not None else backend_named(c.backend_name)
         self.bus = EventBus()
         self.stats = Stats()
         self.state = State.CREATED
         # counters of what the consumers received (state_dict, progress)
         self.frames = 0
         self.batches = 0
-        self.episodes = 0
         self.counters: list[int] | None = None
         self.start_counters: list[int] | None = None
         self.collected = 0  # frames collected by the workers (total_frames counts these)
@@ -91,7 +94,7 @@ class Run:
         self.static_seed = False
         self.profiling = RunProfiling(self, c.profile)
         # (stores in process memory for the local backend, and for Ray, which ships each version)
-        self.sync = WeightSync(c.policy, c.backend_name in ("local", "ray"), self.emit)
+        self.sync = WeightSync(c.policy, self.backend.weights_in_parent, self.emit)
         # the run
         self.closing = False
         self.ended = False  # the consumer saw the end of the stream
@@ -326,7 +329,6 @@ class Run:
         rows = self.rows_per_worker
         for index, info in parts:
             self.counters[index * rows : (index + 1) * rows] = info.traj_counters
-            self.episodes += len(info.episodes)
         self.frames += frames
         self.batches += 1
         if self.bar is not None:

@@ -1,11 +1,10 @@
 """Starting and stopping one run's worker pool: the policy as the workers get it, their rollout
-configs, the worker processes (or the in-process local worker), the slots' shared memory and the
-weight store; and taking it all down again. The run itself (:class:`~aiocollect._collector.run.Run`) calls
+configs, the workers (started by the run's backend: :class:`~aiocollect._backends.seat.Backend`),
+the slots' shared memory and the weight store; and taking it all down again. The run itself (:class:`~aiocollect._collector.run.Run`) calls
 these from its task."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 from typing import TYPE_CHECKING
@@ -15,14 +14,13 @@ import anyio
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
 from .._core.errors import AiocollectError, SpecError
-from .._backends.launcher import get_launcher
 from .._core.layout import SlotLayout, frame_leaves
 from .._worker.policy import PolicySpec, describe
 from .producer import whole_slots
 from .._service.resource import in_own_thread
 from .._worker.rollout import RolloutConfig
 from .._worker.vector import learn_sub_envs
-from .._backends.workers import LocalWorker, setup_process_slots, start_process_workers
+from .._backends.seat import Launch, Sharing
 
 if TYPE_CHECKING:
     from .run import Run
@@ -83,43 +81,11 @@ async def launch_workers(run: "Run") -> None:
     """Start the workers (in-process for ``num_workers=0``), learn their batch leaves, lay out
     and share the slots and the weight store; the run is then ready to grant credits."""
     c = run.config
-    if c.num_workers == 0:
-        factory = c.factory_for(0)
-        local_policy = c.policy is not None or factory is not None
-        spec = PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type)
-        run.configs = rollout_configs(run, [spec])
-
-        # a replica, as in a worker: the caller's module may change under training (the local
-        # rollout yields to the loop mid-batch), weights change only by update_weights (copied
-        # here, in the loop: never while the caller's task changes it)
-        replica = copy.deepcopy(c.policy) if c.policy is not None else None
-
-        def build() -> LocalWorker:
-            policy = replica if replica is not None or factory is None else factory()
-            return LocalWorker(run.configs[0], policy)
-
-        # the factories run in a thread, so that cancelling the start-up is not held up by one
-        # that never returns: after shutdown_timeout it is left to finish there (a thread cannot
-        # be killed), and what it builds is closed then
-        local = await in_own_thread(build, "aiocollect local start-up", give_up_after=c.shutdown_timeout,
-                                    discard=LocalWorker.stop_nowait)
-        run.workers = [local]
-        specs = [local.rollout.spec()]
-    else:
-        per_worker = isinstance(c.policy_factory, tuple)
-        policy_specs = [policy_spec(run, i if per_worker else None) for i in range(c.workers if per_worker else 1)]
-        if not per_worker:
-            policy_specs *= c.workers  # one spec for every worker: pickled once
-        run.configs = rollout_configs(run, policy_specs)
-        if c.backend_name == "ray":
-            from .._backends.ray import check_actor_options, start_ray_workers
-
-            actors, specs = await start_ray_workers(run.configs, check_actor_options(c.ray_actor_options, c.workers))
-            run.workers = list(actors)
-        else:
-            needs = tuple(sorted({n for p in policy_specs for n in p.needs}))
-            workers, specs = await start_process_workers(run.configs, needs, get_launcher(), c.shutdown_timeout)
-            run.workers = list(workers)
+    run.configs = rollout_configs(run, worker_policy_specs(run))
+    needs = tuple(sorted({n for cfg in run.configs for n in cfg.policy.needs}))
+    launch = Launch(run.configs, needs, c.shutdown_timeout, c.ray_actor_options, c.policy, c.factory_for(0))
+    workers, specs = await run.backend.start(launch)
+    run.workers = list(workers)
     run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
     batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
     for i, s in enumerate(batch_specs[1:], 1):
@@ -137,19 +103,8 @@ async def launch_workers(run: "Run") -> None:
     # the real bytes per frame are known now: refuse a run whose slots cannot fit, before any is filled
     c.check_slot_memory(run.layout, len(run.workers) * _heartbeat.NBYTES)
     store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
-    if c.num_workers == 0:
-        run.segment = run.workers[0].setup(run.layout)  # type: ignore[attr-defined]
-        if run.sync.store is not None:
-            await run.workers[0].give_store(run.sync.store)  # type: ignore[attr-defined]  # (a LocalWorker)
-    elif c.backend_name == "ray":
-        from .._backends.ray import setup_ray_slots
-
-        run.segment = setup_ray_slots(run.workers, run.layout, run.sync.store, c.step_timeout is not None)  # type: ignore[arg-type]
-    else:
-        weight_layout = None if run.sync.store is None else run.sync.store.layout
-        run.segment = await setup_process_slots(
-            run.workers, run.layout, store_fds, weight_layout, c.step_timeout is not None  # type: ignore[arg-type]
-        )
+    sharing = Sharing(run.layout, run.sync.store, store_fds, c.step_timeout is not None)
+    run.segment = await run.backend.share_slots(run.workers, sharing)
     run.slot_views = whole_slots(run.layout, run.segment[1])
     if run.server is not None:
         run.server.start()
@@ -181,6 +136,19 @@ async def start_server(run: "Run", spec: dict) -> list:
     for w in run.workers:
         w.server_link = server.link(w.index, groups)  # type: ignore[attr-defined]
     return extras
+
+
+def worker_policy_specs(run: "Run") -> list[PolicySpec]:
+    """The policy as each worker gets it: the local rollout's own (``num_workers=0``: the
+    collector's policy itself, or random), else one spec pickled once for every worker, or one
+    per worker with a factory of its own."""
+    c = run.config
+    if c.num_workers == 0:
+        local_policy = c.policy is not None or c.factory_for(0) is not None
+        return [PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type)]
+    if isinstance(c.policy_factory, tuple):
+        return [policy_spec(run, i) for i in range(c.workers)]
+    return [policy_spec(run, None)] * c.workers  # one spec for every worker: pickled once
 
 
 def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
@@ -233,4 +201,4 @@ def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutC
     ]
 
 
-__all__ = ["import_in_thread", "launch_workers", "policy_spec", "rollout_configs", "stop_workers"]
+__all__ = ["import_in_thread", "launch_workers", "policy_spec", "rollout_configs", "stop_workers", "worker_policy_specs"]

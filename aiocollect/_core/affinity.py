@@ -92,14 +92,6 @@ def normalize_cpu_set(value: Any, argument: str) -> tuple[int, ...] | None:
     return None if cpus is None else cpus[0]
 
 
-def not_on_ray(argument: str, what: str) -> ConfigError:
-    """The error for ``argument`` given with ``backend="ray"``: Ray places its actors itself."""
-    return ConfigError(
-        f"{argument} places {what} on this machine; with backend='ray' Ray places the actors: use "
-        f"ray_actor_options (num_cpus, a placement group's scheduling_strategy) instead"
-    )
-
-
 def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
     """In a worker: run this process (and what it starts later) on ``cpus`` only."""
     if cpus is None:
@@ -114,4 +106,4 @@ def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
         ) from exc
 
 
-__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus", "not_on_ray"]
+__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus"]

@@ -271,7 +271,7 @@ def user_stacklevel() -> int:
     import sys
     from types import FrameType
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # aiocollect/
     level = 1
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"):

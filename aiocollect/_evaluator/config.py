@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import math
 import sys
 from typing import Any, Callable, Literal, Mapping
 
@@ -15,6 +14,12 @@ import numpy as np
 
 from .._core.datachecks import ActionBounds
 from .._service.options import (
+    RAY_PLACES_ACTORS,
+    Needs,
+    check_bool,
+    check_choice,
+    check_int,
+    check_needs,
     exploration_name,
     positive_int,
     positive_seconds,
@@ -30,6 +35,15 @@ from .._core.limits import check_seed
 from .._worker.policy import PolicySpec, classify
 from .._core.registry import snapshot as snapshot_registry
 from .._core.public import public
+
+
+EVALUATOR_MODE_OPTIONS: tuple[Needs, ...] = (
+    Needs("ray_actor_options", None, "backend", ("ray",), "sets the options of the worker's Ray actor",
+          "pass backend='ray' or drop it"),
+    Needs("cpus", None, "backend", ("process",), "places the evaluator's worker process on CPUs",
+          RAY_PLACES_ACTORS),
+)
+"""The evaluator's options that mean something only under another setting."""
 
 
 @public
@@ -159,8 +173,7 @@ class EvaluatorConfig:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"{name}={value!r} is not callable; pass a function or None")
-        if not isinstance(self.busy_policy, str) or self.busy_policy not in ("skip", "error", "queue"):
-            raise ConfigError(f"busy_policy={self.busy_policy!r} must be 'skip', 'error' or 'queue'")
+        check_choice("busy_policy", self.busy_policy, ("skip", "error", "queue"))
         positive_int("max_queued", self.max_queued, fix="it bounds the evaluations waiting with busy_policy='queue'")
         positive_int("num_envs", self.num_envs, fix="pass 1 to step a single env")
         if self.num_envs > self.num_trajectories:
@@ -170,38 +183,31 @@ class EvaluatorConfig:
             )
         check_kwargs("env_kwargs", self.env_kwargs)
         check_seed(self.seed)  # episode j starts with reset(seed=seed + j); torch's generator gets seed
-        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
-            raise ConfigError(f"nice={self.nice!r} must be an int from 0 (same priority as the trainer) to 19 (lowest)")
-        timeout = self.shutdown_timeout
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout >= 0 and math.isfinite(timeout)):
-            raise ConfigError(f"shutdown_timeout={timeout!r} must be a finite number of seconds >= 0")
+        check_int("nice", self.nice, 0, 19, fix="0 is the trainer's own priority, 19 the lowest")
+        positive_seconds("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
         check_data_options(self.check_finite, self.action_bounds)
-        if self.on_worker_failure not in ("raise", "restart"):
-            raise ConfigError(
-                f"on_worker_failure={self.on_worker_failure!r} must be 'raise' (fail the evaluation) or 'restart' "
-                f"(run it again on a new worker)"
-            )
+        check_choice(
+            "on_worker_failure", self.on_worker_failure, ("raise", "restart"),
+            "'raise' (fail the evaluation) or 'restart' (run it again on a new worker)",
+        )
         positive_int("max_restarts", self.max_restarts, allow_zero=True, fix="it bounds the new workers within restart_window")
         if self.restart_window is not None:
             positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
         if self.step_timeout is not None:
             positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
-        if self.cpus is not None:
-            from .._core.affinity import normalize_cpu_set, not_on_ray
-
-            if self.backend == "ray":
-                raise not_on_ray("cpus", "the evaluator's worker process")
-            object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
         if self.backend == "thread":
             raise ConfigError(
                 "backend='thread' (TorchRL's default) is not an aiocollect backend: its evaluator runs in a worker "
                 "process of its own, which never holds your event loop or your GIL; use backend='process' (the "
                 "default), or 'ray'"
             )
-        if not isinstance(self.backend, str) or self.backend not in ("process", "ray"):
-            raise ConfigError(f"backend={self.backend!r} must be 'process' or 'ray'")
-        if not isinstance(self.categorical_action_encoding, bool):
-            raise ConfigError(f"categorical_action_encoding={self.categorical_action_encoding!r} must be True or False")
+        check_choice("backend", self.backend, ("process", "ray"))
+        check_needs(self, EVALUATOR_MODE_OPTIONS)
+        if self.cpus is not None:
+            from .._core.affinity import normalize_cpu_set
+
+            object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
+        check_bool("categorical_action_encoding", self.categorical_action_encoding)
         if self.log_prefix is not None and (not isinstance(self.log_prefix, str) or not self.log_prefix):
             raise ConfigError(
                 f"log_prefix={self.log_prefix!r} must be a non-empty str (TorchRL's metric names, e.g. 'eval' gives "
@@ -211,8 +217,6 @@ class EvaluatorConfig:
             from .._backends.ray import check_actor_options
 
             check_actor_options(self.ray_actor_options, 1)
-        elif self.ray_actor_options is not None:
-            raise ConfigError("ray_actor_options is for backend='ray'; pass backend='ray' or drop it")
 
     @property
     def actor_options(self) -> dict:

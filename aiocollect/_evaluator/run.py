@@ -23,6 +23,7 @@ from .._service.bus import EventBus
 from .._core.errors import ConfigTypeError, EvaluatorClosedError, WorkerError, add_note
 from .config import EvaluatorConfig, EvaluatorState
 from .._backends.eval_process import EvalProcess
+from .._backends.table import backend_named
 from .._core.eval_wire import Aborted, Failed, Result
 from .._service.resource import unwrap_group as _unwrap, wait_shielded
 from .._service.supervisor import RestartBudget
@@ -288,24 +289,15 @@ class EvalRun:
     # -- the worker -------------------------------------------------------------------------------
     async def _spawn(self, tg: Any) -> EvalProcess | RayEvalWorker:
         after = "; a new worker replaces it (on_worker_failure='restart')" if self.restart else "; the next evaluation starts a new worker"
-        if self.config.backend == "ray":
-            from .._backends.ray_eval import RayEvalWorker
-
-            return await RayEvalWorker.open(
-                tg,
-                worker_config=self.worker_config,
-                watch=self.config.step_timeout is not None,
-                after_death=after,
-                on_death=self._worker_died,
-                options=self.config.actor_options,
-            )
-        return await EvalProcess.open(
+        backend = backend_named(self.config.backend, choices=("process", "ray"))
+        return await backend.open_evaluator(
             tg,
             needs=self.needs,
             worker_config=self.worker_config,
             watch=self.config.step_timeout is not None,
             after_death=after,
             on_death=self._worker_died,
+            options=self.config.ray_actor_options,  # (each backend checks its own)
         )
 
     def _worker_died(self, proc: "EvalProcess | RayEvalWorker", exc: WorkerError) -> None:

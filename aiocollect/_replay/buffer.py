@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor, is_non_ten
 from .._core.errors import ConfigError, ConfigTypeError, SpecError
 from .._core.layout import Key, as_key
 from .._core.limits import check_fits_in_memory
+from .._service.options import positive_int
 from .samplers import Sampler, SamplingError, StoredFrames, UniformSampler
 from .._core.public import public
 
@@ -20,8 +21,7 @@ _INDEX: Key = ("index",)
 
 
 def _check_batch_size(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: batch_size must be an int >= 1, got {value!r}")
+    positive_int("batch_size", value, who=where)
     check_fits_in_memory(  # a sample's indices alone are int64
         8 * value, f"{where}: batch_size={value} (8 bytes per sampled frame for its index alone)",
         "sample fewer frames at a time",
@@ -172,11 +172,7 @@ class ReplayBuffer:
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError(
-                f"ReplayBuffer: capacity must be an int >= 1 (the number of frames it holds), "
-                f"got {capacity!r}"
-            )
+        positive_int("capacity", capacity, who="ReplayBuffer", fix="it is the number of frames the buffer holds")
         check_fits_in_memory(  # its bookkeeping alone takes 8 bytes per frame, on the CPU
             8 * capacity, f"ReplayBuffer: capacity={capacity} (8 bytes per frame before any data)",
             "use a smaller capacity",

@@ -18,6 +18,7 @@ from tensordict import TensorDictBase
 from .._core.errors import ConfigError, SamplingError, SpecError
 from .._core.layout import Key, as_key
 from .._core.public import public
+from .._service.options import check_bool, positive_int
 
 __all__ = [
     "Sampler",
@@ -60,12 +61,6 @@ def _entry_key(key: Any, who: str, name: str) -> Key:
             f"(e.g. ('collector', 'traj_ids')), got {key!r}"
         )
     return parts
-
-
-def _flag(value: Any, who: str, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{who}: {name} must be True or False, got {value!r}")
-    return value
 
 
 def _check_scalar_entry(storage: TensorDictBase, key: Key, who: str, role: str) -> None:
@@ -148,7 +143,7 @@ class UniformSampler(Sampler):
     """
 
     def __init__(self, replacement: bool = True) -> None:
-        self.replacement = _flag(replacement, "UniformSampler", "replacement")
+        self.replacement = check_bool("replacement", replacement, who="UniformSampler")
 
     def sample(self, frames, batch_size, generator):
         n = frames.size
@@ -419,11 +414,9 @@ class SliceSampler(Sampler):
         traj_key: str | tuple[str, ...] = ("collector", "traj_ids"),
         strict_length: bool = True,
     ) -> None:
-        if isinstance(slice_len, bool) or not isinstance(slice_len, int) or slice_len < 1:
-            raise ConfigError(f"SliceSampler: slice_len must be an int >= 1, got {slice_len!r}")
-        self.slice_len = slice_len
+        self.slice_len = positive_int("slice_len", slice_len, who="SliceSampler")
         self.traj_key = _entry_key(traj_key, "SliceSampler", "traj_key")
-        self.strict_length = _flag(strict_length, "SliceSampler", "strict_length")
+        self.strict_length = check_bool("strict_length", strict_length, who="SliceSampler")
         self.sample_keys = () if self.strict_length else (_MASK,)
         self._cache: tuple[object, tuple[torch.Tensor, ...]] | None = None
 

@@ -3,15 +3,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import math
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from .._core.datachecks import ACTION_BOUNDS
 from .._core.errors import ConfigError
 from .._core.limits import max_worker_processes
 from .._worker.policy import EXPLORATION_TYPES
+
+
+RAY_PLACES_ACTORS = (
+    "with backend='ray' Ray places the actors: use ray_actor_options (num_cpus, a placement group's "
+    "scheduling_strategy) instead"
+)
+"""The fix for an option that places processes on this machine's CPUs, given with Ray."""
 
 
 def format_size(nbytes: int) -> str:
@@ -46,29 +54,117 @@ def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
 
 def check_data_options(check_finite: Any, action_bounds: Any) -> None:
     """Validate the two data-check options (shared by the collector's and the evaluator's config)."""
-    if not isinstance(check_finite, bool):
-        raise ConfigError(f"check_finite={check_finite!r} must be True or False")
-    if not isinstance(action_bounds, str) or action_bounds not in ACTION_BOUNDS:
-        raise ConfigError(
-            f"action_bounds={action_bounds!r} must be 'pass' (the env gets the policy's action as it is), "
-            f"'clip' (the env gets it clipped to the Box's bounds) or 'error' (SpecError)"
-        )
+    check_bool("check_finite", check_finite)
+    check_choice(
+        "action_bounds", action_bounds, ACTION_BOUNDS,
+        "'pass' (the env gets the policy's action as it is), 'clip' (the env gets it clipped to the Box's "
+        "bounds) or 'error' (SpecError)",
+    )
 
 
-def positive_int(name: str, value: Any, *, allow_zero: bool = False, fix: str = "") -> int:
+def _refuse(name: str, value: Any, must: str, fix: str = "", who: str = "") -> ConfigError:
+    """The error for ``value`` of the argument ``name``: ``name=value must be ...; fix``, or, for a
+    class's argument (``who``), ``who: name must be ..., got value; fix``."""
+    said = f"{who}: {name} must be {must}, got {value!r}" if who else f"{name}={value!r} must be {must}"
+    return ConfigError(said + (f"; {fix}" if fix else ""))
+
+
+def check_bool(name: str, value: Any, *, fix: str = "", who: str = "") -> bool:
+    """``value``, a bool, or :class:`ConfigError` naming ``name`` (a truthy 1 or ``"yes"`` is
+    refused: it is most often a value meant for another option)."""
+    if not isinstance(value, bool):
+        raise _refuse(name, value, "True or False", fix or f"pass {name}=True or {name}=False", who)
+    return value
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, *, fix: str = "", who: str = "") -> int:
+    """``value``, an int from ``low`` (to ``high`` where given; never a bool), or :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise _refuse(name, value, f"an int >= {low}" if high is None else f"an int from {low} to {high}", fix, who)
+    return value
+
+
+def positive_int(name: str, value: Any, *, allow_zero: bool = False, fix: str = "", who: str = "") -> int:
     """``value``, an int >= 1 (>= 0 with ``allow_zero``; never a bool), or :class:`ConfigError`
     naming ``name`` (and ``fix``, the way out, when given). The collector's and the evaluator's
     config both use it."""
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name}={value!r} must be an int >= {low}" + (f"; {fix}" if fix else ""))
+    return check_int(name, value, 0 if allow_zero else 1, fix=fix, who=who)
+
+
+def positive_seconds(name: str, value: Any, alternative: str = "", *, allow_zero: bool = False) -> float:
+    """``value``, a finite number of seconds > 0 (>= 0 with ``allow_zero``), or :class:`ConfigError`;
+    ``alternative`` follows the rule (e.g. ``"or None to wait for ever"``)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or value < 0 or (value == 0 and not allow_zero):
+        must = "a finite number of seconds >= 0" if allow_zero else "a positive, finite number of seconds"
+        raise ConfigError(f"{name}={value!r} must be {must}" + (f", {alternative}" if alternative else ""))
     return value
 
 
-def positive_seconds(name: str, value: Any, alternative: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds, {alternative}")
-    return value
+def check_choice(name: str, value: Any, choices: Sequence[Any], described: str = "") -> Any:
+    """``value``, one of ``choices`` (compared only when it is a str, or None where None is a
+    choice: a numpy array compared with ``in`` would raise numpy's ambiguous-truth ValueError), or
+    :class:`ConfigError` listing them (``described``: the list in words) with the closest one."""
+    if (isinstance(value, str) or value is None) and value in choices:
+        return value
+    words = [repr(c) for c in choices]
+    must = described or (words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}")
+    close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1) if isinstance(value, str) else []
+    raise ConfigError(f"{name}={value!r} must be {must}" + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def multiples_around(value: int, step: int) -> tuple[int, int]:
+    """The multiples of ``step`` next to ``value``: ``(lower, upper)``, both ``value`` when it is one."""
+    lower = value // step * step
+    return lower, (lower if lower == value else lower + step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """One row of a config's table of options that mean something only under another setting:
+    ``option``, set to anything but ``default``, needs ``setting`` (an attribute of the config,
+    shown to the user as ``label``) to be one of ``allowed`` (``None``: given, anything but
+    None). ``does``: what the option does (why it needs that setting); ``fix``: the way out, or a
+    dict of it by the setting's value."""
+
+    option: str
+    default: Any
+    setting: str
+    allowed: tuple[Any, ...] | None
+    does: str
+    fix: str | Mapping[Any, str]
+    label: str = ""
+
+    def is_set(self, value: Any) -> bool:
+        """``value`` is not the default (a number or str compared by value, anything else by identity)."""
+        if value is self.default:
+            return False
+        plain = (int, float, str)
+        return not (
+            isinstance(value, plain) and isinstance(self.default, plain)
+            and not isinstance(value, bool) and not isinstance(self.default, bool) and value == self.default
+        )
+
+    def holds(self, config: Any) -> bool:
+        """The config has the setting that ``option`` needs (or ``option`` is not set)."""
+        actual = getattr(config, self.setting)
+        ok = actual is not None if self.allowed is None else actual in self.allowed
+        return ok or not self.is_set(getattr(config, self.option))
+
+    def check(self, config: Any) -> None:
+        if self.holds(config):
+            return
+        value, actual, label = getattr(config, self.option), getattr(config, self.setting), self.label or self.setting
+        need = f"{label} (not None)" if self.allowed is None else " or ".join(f"{label}={a!r}" for a in self.allowed)
+        fix = self.fix if isinstance(self.fix, str) else self.fix[actual]
+        raise ConfigError(f"{self.option}={value!r:.200} {self.does}, so it needs {need}, but {label}={actual!r}; {fix}")
+
+
+def check_needs(config: Any, table: Sequence[Needs]) -> None:
+    """Every option of ``table`` that is set has the setting it needs, or :class:`ConfigError`
+    naming both (the first that has not, in the table's order)."""
+    for row in table:
+        row.check(config)
 
 
 def check_module_env_id(env_id: str, argument: str) -> None:
@@ -94,15 +190,6 @@ def check_worker_count(num_workers: int) -> None:
             f"num_workers={num_workers} is more worker processes than this machine allows: {limit[0]}, by "
             f"{limit[1]}; use fewer workers (each steps envs_per_worker envs), or raise the limit"
         )
-
-
-def check_strs(config: Any, choices: dict[str, str]) -> None:
-    """Options that are one of a few strings get a str (a numpy array, compared with ``in``,
-    would raise numpy's ambiguous-truth ValueError instead of ours)."""
-    for name, allowed in choices.items():
-        value = getattr(config, name)
-        if not isinstance(value, str):
-            raise ConfigError(f"{name}={value!r} must be {allowed}")
 
 
 def check_kwargs(name: str, kwargs: Any) -> None:

@@ -92,7 +92,7 @@ class GroupedRollout:
         for g in self.groups:
             g.runner.idle()
         parts = [g.episodes for g in self.groups]
-        self.episodes = Episodes(*(sum((list(getattr(p, f)) for p in parts), [])
+        self.episodes = Episodes(*(np.concatenate([getattr(p, f) for p in parts if len(p)] or [np.zeros(0)])
                                    for f in ("env", "traj_id", "ret", "length", "terminated")))
         self.timing = {k: sum(g.timing[k] for g in self.groups) for k in ("env", "policy")}
         return self.episodes

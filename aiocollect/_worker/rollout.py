@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -21,7 +20,7 @@ from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
 from .._core.layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from .policy import EnvActions, PolicySpec, RandomRunner, build_runner
-from .._core.wire import BatchInfo, Episodes
+from .._core.wire import NO_EPISODES, BatchInfo, Episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +84,104 @@ def write_step_counts(views: dict[Key, np.ndarray], ends: np.ndarray, start_len:
     views[("next", "step_count")][..., 0] = step_buf[..., 0] + 1
 
 
+def _copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[e, t] = src[t, e]`` (``dst``: ``[E, T, ...]``, ``src``: ``[T, E, ...]``). A frame's
+    leaf of a few elements is moved as one item (a void of its size) where both arrays hold it
+    contiguous: numpy copies that several times faster than element by element."""
+    size = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
+    if src.ndim > 2 and 0 < size <= 256 and _leaf_contiguous(dst) and _leaf_contiguous(src):
+        void = np.dtype((np.void, size))
+        d = dst.reshape(dst.shape[:2] + (-1,)).view(void)[..., 0]  # (views: the leaves are contiguous)
+        s = src.reshape(src.shape[:2] + (-1,)).view(void)[..., 0]
+        np.copyto(d, s.swapaxes(0, 1))
+    else:
+        np.copyto(dst, src.swapaxes(0, 1))
+
+
+def _leaf_contiguous(a: np.ndarray) -> bool:
+    """Whether each ``a[i, j]`` is C-contiguous."""
+    stride = a.itemsize
+    for dim, step in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
+        if dim != 1 and step != stride:
+            return False
+        stride *= dim
+    return True
+
+
+class _Staging:
+    """Where one batch of ``T`` steps of ``E`` rows is written as the envs step. Rewards and
+    flags: time-major buffers (``[T, E]``), written into the slot at the batch's end. Frames
+    (observations, actions, extras): time-major buffers too (each step writes contiguous rows,
+    and the batch goes into the slot in one copy per key at its end), or, ``in_slot``, the slot
+    itself (single envs write a row at a time: no copy at the end). Each step's views are made
+    once (per batch where they are the slot's)."""
+
+    def __init__(
+        self, T: int, E: int, obs: list[Leaf], act: list[Leaf], extras: list[Leaf], carried: list[np.ndarray],
+        in_slot: bool = False, reward_dtype: Any = np.float32,
+    ) -> None:
+        def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
+            return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
+
+        self.T, self.in_slot, self.carried = T, in_slot, carried
+        self.rew = np.zeros((T, E), reward_dtype)
+        self.term = np.zeros((T, E), bool)
+        self.trunc = np.zeros((T, E), bool)
+        self.done = np.zeros((T, E), bool)  # terminated | truncated (with max_frames_per_traj's cuts)
+        self.sums = np.zeros((T, E), np.float64)  # running sums of the rewards (episode returns)
+        if not in_slot:
+            self.obs, self.next, self.act, self.extras = bufs(obs), bufs(obs), bufs(act), bufs(extras)
+            self.steps = self._steps(self.obs, self.act, self.extras, self.next, time_major=True)
+
+    def _steps(
+        self, obs: list[np.ndarray], act: list[np.ndarray], extras: list[np.ndarray], nxt: list[np.ndarray],
+        time_major: bool,
+    ) -> list[tuple]:
+        """Per step: obs, actions, extras, next obs, the obs of the step after (after the last
+        step: the rollout's carried obs), reward, terminated, truncated, done."""
+        T = self.T
+
+        def at(bufs: list[np.ndarray], t: int) -> list[np.ndarray]:
+            return [b[t] for b in bufs] if time_major else [b[:, t] for b in bufs]
+
+        return [
+            (
+                at(obs, t), at(act, t), at(extras, t), at(nxt, t), at(obs, t + 1) if t + 1 < T else self.carried,
+                self.rew[t], self.term[t], self.trunc[t], self.done[t],
+            )
+            for t in range(T)
+        ]
+
+    def slot_steps(self, views: dict[Key, np.ndarray], obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[tuple]:
+        """``in_slot``: each step's views of the slot ``views``."""
+        return self._steps(
+            [views[leaf.key] for leaf in obs], [views[leaf.key] for leaf in act], [views[leaf.key] for leaf in extras],
+            [views[("next",) + leaf.key] for leaf in obs], time_major=False,
+        )
+
+    def into_slot(self, views: dict[Key, np.ndarray], obs: list[Leaf], others: list[Leaf]) -> None:
+        """At the batch's end, into the slot: one copy per key (``[T, E, ...]`` -> ``[E, T, ...]``)."""
+        if not self.in_slot:
+            for leaf, st in zip(obs, self.obs):
+                _copy_transposed(views[leaf.key], st)
+            for leaf, st in zip(obs, self.next):
+                _copy_transposed(views[("next",) + leaf.key], st)
+            for leaf, st in zip(others, self.act + self.extras):
+                _copy_transposed(views[leaf.key], st)
+        views[("next", "reward")][..., 0] = self.rew.T
+        views[("next", "terminated")][..., 0] = self.term.T
+        views[("next", "truncated")][..., 0] = self.trunc.T
+
+
 class Rollout:
-    """Steps ``envs_per_worker`` envs; :meth:`fill` writes one batch into a slot's arrays."""
+    """Steps ``envs_per_worker`` envs; :meth:`fill` writes one batch into a slot's arrays. The
+    envs are stepped as one vector of ``envs_per_worker`` rows (as PufferLib's serial backend
+    does): the stepping loop is the same for single envs and for vector envs
+    (:class:`~aiocollect._worker.vector.VectorRollout`, which overrides how the envs are made,
+    stepped and reset)."""
+
+    serial = True  # single envs: stepped one by one, their frames written into the slot itself
+    takes_arrays = False  # the envs take the runner's per-env actions (a vector env: the action arrays)
 
     def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: gym.Env | None = None) -> None:
         self.cfg = cfg
@@ -110,7 +205,9 @@ class Rollout:
         self.flatten_obs = flattener(self.obs_space, "observation")
         self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
         self.obs_dtype0 = self.obs_leaves[0].np_dtype
-        self.env_ids = [cfg.worker * E + i for i in range(E)]
+        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
+        self.rows, self.total_rows = E, cfg.total_envs
+        self.random_calls = cfg.random_steps
         # float leaves to scan for NaN/inf after each step (integers cannot hold them)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.steps = 0
@@ -122,11 +219,15 @@ class Rollout:
             space.seed(seed)
             self.action_spaces.append(space)
         counters = cfg.traj_counters
-        self.traj_k = np.array([counters[g] if counters else 0 for g in self.env_ids], dtype=np.int64)
-        self.cur_traj = self.traj_k * cfg.total_envs + np.asarray(self.env_ids, dtype=np.int64)
+        traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
+        # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
+        self.cur_traj = traj_k * self.total_rows + self.env_ids
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
-        self.ep_ret = [0.0] * E
-        self.ep_len = [0] * E
+        # per row: the reward of its episode before this batch, and the step its episode began at
+        # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
+        self.ep_ret = np.zeros(E, np.float64)
+        self.ep_start = np.zeros(E, np.int64)
+        self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
         env_actions = EnvActions(self.act_space, self.act_leaves)
         guard = ActionGuard(
             self.act_space,
@@ -196,8 +297,8 @@ class Rollout:
         if cfg.static_seed:
             return [cfg.seed] * len(self.envs)
         if cfg.restart:  # a replacement worker: new episodes, still determined by the seed
-            return [derived_seed(cfg.seed, g, cfg.restart) for g in self.env_ids]
-        return [cfg.seed + g for g in self.env_ids]
+            return [derived_seed(cfg.seed, int(g), cfg.restart) for g in self.env_ids]
+        return [cfg.seed + int(g) for g in self.env_ids]
 
     def spec(self) -> dict[str, Any]:
         """What the collector needs to lay out the batch (compared across workers)."""
@@ -242,84 +343,77 @@ class Rollout:
         )
 
     def _step_text(self, i: int, taken: bool = False) -> str:
-        """Names env ``i``'s current step in messages: its number since the collector started and
-        in its episode, counted from 1 (``taken``: the episode's count already includes it)."""
-        return f"step {self.steps + 1} (step {self.ep_len[i] + (not taken)} of its episode)"
+        """Names row ``i``'s current step in messages: its number since the collector started and
+        in its episode, counted from 1 (during a step the episode's count of it is the same whether
+        it is ``taken`` or not)."""
+        return f"step {self.steps + 1} (step {self.steps + 1 - int(self.ep_start[i])} of its episode)"
 
-    def _check_finite(self, next_bufs: list[np.ndarray], t: int, rewards: list[float]) -> None:
-        """check_finite: the observations and rewards of step ``t`` of this batch."""
-        for k in self.finite_obs:
-            row = first_nonfinite(next_bufs[k][:, t])
-            if row is not None:
-                self._nonfinite_obs(k, row, next_bufs[k][row, t], f"returned by {self._step_text(row, taken=True)}")
-        for i, reward in enumerate(rewards):
-            if not math.isfinite(reward):
-                raise SpecError(
-                    f"env {self.env_ids[i]}'s reward returned by {self._step_text(i, taken=True)} is "
-                    f"{reward!r}: not finite (check_finite=True)"
-                )
+    def _check_finite(self, next_obs: list[np.ndarray], rewards: np.ndarray) -> None:
+        """check_finite: the observations (single envs; a vector env's are checked as they are
+        written) and the rewards of this step."""
+        if self.serial:
+            for k in self.finite_obs:
+                row = first_nonfinite(next_obs[k])
+                if row is not None:
+                    self._nonfinite_obs(k, row, next_obs[k][row], f"returned by {self._step_text(row, taken=True)}")
+        if not np.isfinite(rewards).all():
+            row = int(np.flatnonzero(~np.isfinite(rewards))[0])
+            raise SpecError(
+                f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
+                f"{float(rewards[row])!r}: not finite (check_finite=True)"
+            )
 
     def _action_step(self, row: int) -> str:
         return f"at {self._step_text(row)}"
 
-    def _new_traj(self, i: int) -> None:
-        self.traj_k[i] += 1
-        self.cur_traj[i] = self.traj_k[i] * self.cfg.total_envs + self.env_ids[i]
-        self.ep_ret[i] = 0.0
-        self.ep_len[i] = 0
+    def _new_trajs(self, rows: np.ndarray) -> None:
+        """The rows ``rows`` start a new trajectory (between batches)."""
+        self.cur_traj[rows] += self.total_rows
+        self.ep_ret[rows] = 0.0
+        self.ep_start[rows] = self.steps
+
+    # -- the stepping loop (single envs: a vector of ``envs_per_worker`` rows; vector envs: vector.py) --
+    def _staging(self, T: int) -> _Staging:
+        stage = getattr(self, "_stage", None)
+        if stage is None or stage.T != T:
+            stage = self._stage = _Staging(
+                T, self.rows, self.obs_leaves, self.act_leaves, self.extra_leaves, self.cur_obs, in_slot=self.serial,
+                reward_dtype=np.float64 if self.serial else np.float32,
+            )
+        return stage
 
     def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
         """Write one batch of ``frames_per_env`` steps into ``views``; yields after each step so
         the driver can check for a stop request (worker) or let its event loop run (local).
 
-        The observation the policy sees at step ``t`` is read from the slot itself: after the envs
-        step, ``("next", obs)[:, t]`` is copied to ``obs[:, t + 1]`` in one vectorized copy and
-        the rows of envs that were reset are overwritten. At the end, :attr:`episodes` lists the
-        episodes that ended in this batch.
+        Each step of the policy is one step of every env (a single env is a vector of one row); the
+        rows that ended an episode get their reset observation before the next step. The
+        observation the policy sees at step ``t`` is where the step before wrote it: single envs
+        write their frames into the slot itself, vector envs into time-major buffers of this process
+        (a step's rows are contiguous there) copied into the slot once, at the end of the batch. At
+        the end, :attr:`episodes` lists the episodes that ended in this batch.
         """
         cfg = self.cfg
-        envs, E = self.envs, len(self.envs)
-        hb = self.heartbeat
         if cfg.reset_at_each_iter and self.batches > 0:
-            for i, env in enumerate(envs):
-                if hb is not None:
-                    hb.begin(RESET, self.env_ids[i])
-                obs, _ = env.reset()
-                self._new_traj(i)
-                self._set_obs(i, obs)
-        obs_bufs = [views[leaf.key] for leaf in self.obs_leaves]
-        next_bufs = [views[("next",) + leaf.key] for leaf in self.obs_leaves]
-        act_bufs = [views[leaf.key] for leaf in self.act_leaves]
-        extra_bufs = [views[leaf.key] for leaf in self.extra_leaves]
-        rew_buf = views[("next", "reward")]
-        term_buf, trunc_buf = views[("next", "terminated")], views[("next", "truncated")]
+            self._reset_all()
+            self._new_trajs(np.arange(self.rows))
         traj_buf = views[("collector", "traj_ids")]
-        version_buf = views[("collector", "policy_version")]
-        version_buf[...] = version
-        for buf, carried in zip(obs_bufs, self.cur_obs):
-            buf[:, 0] = carried
-        first_traj = self.cur_traj.copy()
-        first_len = np.asarray(self.ep_len, dtype=np.int64)  # (step counts: frames of each trajectory so far)
-        # per-step scalars go to Python lists, written to the slot once per batch (vectorized)
-        rew_rows: list[list[float]] = []
-        term_rows: list[list[bool]] = []
-        trunc_rows: list[list[bool]] = []
-        single = self.single_obs
-        leaf0, space0, dtype0 = self.obs_leaves[0], self.obs_spaces[0], self.obs_dtype0
-        shape0 = leaf0.shape
-        next0 = next_bufs[0]
-        guard = self.guard
-        check_finite = self.cfg.check_finite
-        max_len = cfg.max_frames_per_traj
-        episodes: list[tuple[int, int, float, int, bool]] = []  # (env, traj id, return, length, terminated)
-        ep_ret, ep_len = self.ep_ret, self.ep_len
         T = traj_buf.shape[1]
+        stage = self._staging(T)
+        frames = stage.slot_steps(views, self.obs_leaves, self.act_leaves, self.extra_leaves) if stage.in_slot else stage.steps
+        for dst, carried in zip(frames[0][0], self.cur_obs):
+            dst[...] = carried
+        first_traj = self.cur_traj.copy()
+        first_step, first_start = self.steps, self.ep_start.copy()
+        versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
+        ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
+        guard, check_finite, hb = self.guard, cfg.check_finite, self.heartbeat
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
-        for t in range(T):
-            obs_t = [buf[:, t] for buf in obs_bufs]
-            runner = self.random_runner if self.steps < cfg.random_steps else self.runner
+        for t, (obs_t, act_t, extra_t, nxt, cur, rew_t, term_t, trunc_t, done_t) in enumerate(frames):
+            random = self.steps < self.random_calls
+            runner = self.random_runner if random else self.runner
             t_policy = clock()
             env_time += t_policy - t_env
             if hb is not None:
@@ -327,78 +421,165 @@ class Rollout:
             env_actions, act_arrays, extras = runner.act(obs_t)
             t_env = clock()
             policy_time += t_env - t_policy
-            for buf, arr in zip(act_bufs, act_arrays):
-                buf[:, t] = arr
             if runner.remote:  # the version of the server's forward pass for this step
-                version_buf[:, t] = runner.version
-            if guard is not None and runner is not self.random_runner:
+                versions[t] = runner.version
+            for dst, arr in zip(act_t, act_arrays):
+                dst[...] = arr
+            if self.takes_arrays:
+                env_actions = act_arrays
+            if guard is not None and not random:
                 env_actions = guard.apply(act_arrays, env_actions, self._action_step)
-            if extra_bufs:
-                if extras:
-                    for buf, arr in zip(extra_bufs, extras):
-                        buf[:, t] = arr
-                else:  # random frames: the policy did not run
-                    for buf in extra_bufs:
-                        buf[:, t] = 0
-            resets = []
-            rewards = [0.0] * E
-            terms = [False] * E
-            truncs = [False] * E
-            for i in range(E):
-                if hb is not None:
-                    hb.begin(STEP, self.env_ids[i])
-                obs, reward, terminated, truncated, _ = envs[i].step(env_actions[i])
-                if single:
-                    # the hot path: an array of the leaf's own dtype and shape is written as is
-                    if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
-                        obs = check_value(obs, leaf0, f"env {self.env_ids[i]}'s observation", space0)
-                    next0[i, t] = obs
-                else:
-                    for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, next_bufs, self.flatten_obs(obs)):
-                        buf[i, t] = check_value(value, leaf, f"env {self.env_ids[i]}'s observation", space)
-                if not isinstance(reward, (float, int)):  # Python floats and ints, np.float64: no check
-                    reward = check_reward(reward, f"env {self.env_ids[i]}'s reward at {self._step_text(i)}")
-                rewards[i] = reward
-                ep_ret[i] += reward
-                ep_len[i] += 1
-                if max_len is not None and ep_len[i] >= max_len and not terminated:
-                    truncated = True
-                terms[i] = terminated
-                truncs[i] = truncated
-                if terminated or truncated:
-                    episodes.append((self.env_ids[i], int(self.cur_traj[i]), float(ep_ret[i]), ep_len[i], bool(terminated)))
-                    resets.append(i)
+            if extra_t:
+                for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
+                    dst[...] = arr
+            finals = self._step_envs(env_actions, nxt, rew_t, term_t, trunc_t)
             if check_finite:
-                self._check_finite(next_bufs, t, rewards)
-            rew_rows.append(rewards)
-            term_rows.append(terms)
-            trunc_rows.append(truncs)
-            # the next observation of every env: its next obs, or its reset obs after an episode end
-            cur = [buf[:, t + 1] for buf in obs_bufs] if t + 1 < T else self.cur_obs
-            for dst, src in zip(cur, next_bufs):
-                dst[...] = src[:, t]
-            for i in resets:
-                if hb is not None:
-                    hb.begin(RESET, self.env_ids[i])
-                obs, _ = envs[i].reset()
-                self._new_traj(i)
-                self._set_obs(i, obs, into=cur)
-            self.steps += 1
-            if cfg.ahead and t + 1 < T and self.steps >= cfg.random_steps:
+                self._check_finite(nxt, rew_t)
+            self._end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
+            if cfg.ahead and t + 1 < T and self.steps >= self.random_calls:
                 self.runner.ahead(cur)  # (worker_groups: computed while the other group steps)
             yield
         env_time += clock() - t_env
         if hb is not None:
             hb.idle()
         self.timing = {"env": env_time, "policy": policy_time}
-        rew_buf[..., 0] = np.asarray(rew_rows, dtype=np.float32).T
-        term_buf[..., 0] = np.asarray(term_rows, dtype=bool).T
-        trunc_buf[..., 0] = np.asarray(trunc_rows, dtype=bool).T
-        ends = term_buf[..., 0] | trunc_buf[..., 0]
-        write_traj_ids(traj_buf, ends, first_traj, cfg.total_envs)
-        write_step_counts(views, ends, first_len)
+        stage.into_slot(views, self.obs_leaves, self.act_leaves + self.extra_leaves)
+        views[("collector", "policy_version")][...] = versions
+        write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
+        write_step_counts(views, stage.done.T, first_step - first_start)
+        self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
+        self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)
         self.batches += 1
-        self.episodes = Episodes.from_rows(episodes)
+
+    def _end_step(
+        self, t: int, ends: list[tuple[int, np.ndarray]], finals: list[tuple[int, dict]], nxt: list[np.ndarray],
+        cur: list[np.ndarray], term_t: np.ndarray, trunc_t: np.ndarray, done_t: np.ndarray,
+    ) -> None:
+        """After the envs took step ``t``: episode ends (the env's, and ``max_frames_per_traj``'s
+        cuts, recorded in ``trunc_t`` and ``done_t``), and ``cur`` (the next step's observation)
+        filled: each row's next observation, or its reset observation after an end."""
+        ended = env_ended = np.logical_or(term_t, trunc_t, out=done_t)
+        cut = None
+        max_len = self.cfg.max_frames_per_traj
+        if max_len is not None:  # (an episode's length after this step: steps + 1 - its start)
+            cut = self.ep_start <= self.steps + 1 - max_len
+            cut &= ~env_ended
+            if cut.any():
+                trunc_t |= cut
+                env_ended = ended.copy()
+                ended |= cut
+        for dst, src in zip(cur, nxt):
+            dst[...] = src
+        rows = ended.nonzero()[0]
+        if len(rows):
+            ends.append((t, rows))  # (their episodes are worked out once, at the end of the batch)
+            self._after_ends(rows, env_ended, cut, finals, nxt, cur)
+            self.ep_start[rows] = self.steps + 1
+        self.steps += 1
+
+    def _step_envs(
+        self, actions: Any, nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray
+    ) -> list[tuple[int, dict]]:
+        """One step of every env: writes each row's next observation, reward and flags. Returns
+        what :meth:`_after_ends` needs of a same-step vector env (single envs: nothing)."""
+        hb, ids = self.heartbeat, self.env_ids
+        single, flatten = self.single_obs, self.flatten_obs
+        leaf0, space0, dtype0 = self.obs_leaves[0], self.obs_spaces[0], self.obs_dtype0
+        shape0 = leaf0.shape
+        next0 = nxt[0]
+        for i, env in enumerate(self.envs):
+            if hb is not None:
+                hb.begin(STEP, int(ids[i]))
+            obs, reward, terminated, truncated, _ = env.step(actions[i])
+            if single:
+                # the hot path: an array of the leaf's own dtype and shape is written as is
+                if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
+                    obs = check_value(obs, leaf0, f"env {ids[i]}'s observation", space0)
+                next0[i] = obs
+            else:
+                for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, nxt, flatten(obs)):
+                    buf[i] = check_value(value, leaf, f"env {ids[i]}'s observation", space)
+            if not isinstance(reward, (float, int)):  # Python floats and ints, np.float64: no check
+                reward = check_reward(reward, f"env {ids[i]}'s reward at {self._step_text(i)}")
+            rew_t[i] = reward
+            term_t[i] = terminated
+            trunc_t[i] = truncated
+        return []
+
+    def _after_ends(
+        self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
+        next_obs: list[np.ndarray], cur: list[np.ndarray],
+    ) -> None:
+        """The rows ``rows`` ended their episode in this step: reset their envs, whose
+        observations go into ``cur`` (the next step's)."""
+        hb = self.heartbeat
+        for i in rows.tolist():
+            if hb is not None:
+                hb.begin(RESET, int(self.env_ids[i]))
+            obs, _ = self.envs[i].reset()
+            self._set_obs(i, obs, into=cur)
+
+    def _reset_all(self) -> None:
+        """``reset_at_each_iter``: every env starts a new episode (no seed: it goes on with its generator)."""
+        hb = self.heartbeat
+        for i, env in enumerate(self.envs):
+            if hb is not None:
+                hb.begin(RESET, int(self.env_ids[i]))
+            obs, _ = env.reset()
+            self._set_obs(i, obs)
+
+    @property
+    def episodes(self) -> Episodes:
+        """The episodes that ended in the last batch, in the order they ended, made from the
+        arrays kept per step (a 256-sub-env CartPole ends about a thousand episodes per batch: no
+        object per episode)."""
+        if self._ends is None:
+            return NO_EPISODES
+        rows, ids, rets, lens, terms = self._ends
+        return Episodes(self.env_ids[rows], ids, rets, lens, terms)
+
+    def _tally(
+        self, ends: list[tuple[int, np.ndarray]], stage: _Staging, traj_buf: np.ndarray, first_step: int,
+        first_start: np.ndarray,
+    ) -> tuple[np.ndarray, ...] | None:
+        """At the end of a batch: the episodes that ended in it (``ends``: the rows that ended at
+        each step, in order) as columns -- rows, trajectory ids, returns, lengths, terminated, in the
+        order they ended -- and each row's reward carried into the next batch (:attr:`ep_ret`).
+        Worked out from the batch's rewards with a few whole-batch operations rather than per step:
+        a row's return is the difference of its running sum of rewards (``float64``) at its end and
+        at its previous end in this batch, or, for its first end, that sum plus what it carried in;
+        its length likewise from steps (``first_start``: each row's episode start at the batch's
+        first step, ``first_step``)."""
+        sums = stage.sums  # [T, E]: each row's reward up to each step (a step at a time: faster than np.cumsum here)
+        np.copyto(sums, stage.rew)
+        for t in range(1, len(sums)):
+            np.add(sums[t - 1], sums[t], out=sums[t])
+        carried = self.ep_ret
+        if not ends:
+            carried += sums[-1]
+            return None
+        ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
+        rows = np.concatenate([r for _, r in ends])
+        order = np.lexsort((ts, rows))  # by row, then by step
+        er, et = rows[order], ts[order]
+        first = np.empty(len(er), bool)  # the row's first end in this batch
+        first[0] = True
+        np.not_equal(er[1:], er[:-1], out=first[1:])
+        prev = np.empty_like(et)  # the step of the row's previous end (first ends: none)
+        prev[0] = 0
+        prev[1:] = et[:-1]
+        rets = sums[et, er] - sums[prev, er]
+        lens = et - prev
+        rets[first] = sums[et[first], er[first]] + carried[er[first]]
+        lens[first] = first_step + et[first] + 1 - first_start[er[first]]
+        carried += sums[-1]
+        last = np.append(first[1:], True)  # the row's last end in this batch
+        r_last = er[last]
+        carried[r_last] = sums[-1, r_last] - sums[et[last], r_last]
+        back = np.empty_like(order)  # back into the order the episodes ended in
+        back[order] = np.arange(len(order))
+        return rows, traj_buf[rows, ts], rets[back], lens[back], stage.term[ts, rows]
+
 
     def batch_info(self) -> BatchInfo:
         """What the collector learns with each batch (small, sent over the worker's socket)."""
@@ -414,8 +595,8 @@ class Rollout:
 
     @property
     def traj_counters(self) -> list[int]:
-        """Per env of this worker: the number of the trajectory it is in now."""
-        return self.traj_k.tolist()
+        """Per env row of this worker: the number of the trajectory it is in now."""
+        return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
 
     def close(self) -> None:
         runner = getattr(self, "runner", None)

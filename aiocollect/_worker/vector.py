@@ -41,23 +41,21 @@ Imported by worker processes: numpy and gymnasium only (torch through the policy
 from __future__ import annotations
 
 import copy
-import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._core.datachecks import ActionGuard, check_value, first_nonfinite, short
 from .._core.errors import ConfigError, SpecError
-from .._core.heartbeat import POLICY, RESET, STEP
+from .._core.heartbeat import RESET, STEP
 from .._core.limits import check_seed
-from .._core.layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves, unflattener
+from .._core.layout import Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves, unflattener
 from .._core.registry import install as install_registry
 from .vecenv import _SAME, VecEnv, is_vector
-from .._core.wire import NO_EPISODES, Episodes
 if TYPE_CHECKING:
     from .groups import GroupedRollout
 from .envs import close_envs, create_env, make_env
-from .rollout import Rollout, RolloutConfig, derived_seed, write_step_counts, write_traj_ids
+from .rollout import Rollout, RolloutConfig, derived_seed
 
 def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | GroupedRollout":
     """The rollout of one worker: its first env decides whether it steps single envs or vector
@@ -129,66 +127,16 @@ class _ArrayActions:
         return arrays
 
 
-def _copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[e, t] = src[t, e]`` (``dst``: ``[E, T, ...]``, ``src``: ``[T, E, ...]``). A frame's
-    leaf of a few elements is moved as one item (a void of its size) where both arrays hold it
-    contiguous: numpy copies that several times faster than element by element."""
-    size = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
-    if src.ndim > 2 and 0 < size <= 256 and _leaf_contiguous(dst) and _leaf_contiguous(src):
-        void = np.dtype((np.void, size))
-        d = dst.reshape(dst.shape[:2] + (-1,)).view(void)[..., 0]  # (views: the leaves are contiguous)
-        s = src.reshape(src.shape[:2] + (-1,)).view(void)[..., 0]
-        np.copyto(d, s.swapaxes(0, 1))
-    else:
-        np.copyto(dst, src.swapaxes(0, 1))
-
-
-def _leaf_contiguous(a: np.ndarray) -> bool:
-    """Whether each ``a[i, j]`` is C-contiguous."""
-    stride = a.itemsize
-    for dim, step in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
-        if dim != 1 and step != stride:
-            return False
-        stride *= dim
-    return True
-
-
-class _Staging:
-    """Time-major buffers for one batch of ``T`` steps of ``E`` rows (``[T, E, ...]``: each step
-    writes contiguous rows, and the batch goes into the slot in one copy per key at its end), and
-    each step's views of them, made once (not per step)."""
-
-    def __init__(
-        self, T: int, E: int, obs: list[Leaf], act: list[Leaf], extras: list[Leaf], carried: list[np.ndarray]
-    ) -> None:
-        def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
-            return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
-
-        self.T = T
-        self.obs, self.next, self.act, self.extras = bufs(obs), bufs(obs), bufs(act), bufs(extras)
-        self.rew = np.zeros((T, E), np.float32)
-        self.term = np.zeros((T, E), bool)
-        self.trunc = np.zeros((T, E), bool)
-        self.done = np.zeros((T, E), bool)  # terminated | truncated (with max_frames_per_traj's cuts)
-        self.sums = np.zeros((T, E), np.float64)  # running sums of the rewards (episode returns)
-        # per step: obs, actions, extras, next obs, the obs of the step after (after the last step:
-        # ``carried``, the rollout's carried obs), reward, terminated, truncated, done
-        self.steps = [
-            (
-                [b[t] for b in self.obs], [b[t] for b in self.act], [b[t] for b in self.extras],
-                [b[t] for b in self.next], [b[t + 1] for b in self.obs] if t + 1 < T else carried,
-                self.rew[t], self.term[t], self.trunc[t], self.done[t],
-            )
-            for t in range(T)
-        ]
-
-
 # -- the rollout ---------------------------------------------------------------------------------
 
 
 class VectorRollout(Rollout):
     """Steps ``envs_per_worker`` vector envs of ``n`` sub-envs each as ``envs_per_worker * n``
-    rows; same interface as :class:`~aiocollect._worker.rollout.Rollout`."""
+    rows, with :class:`~aiocollect._worker.rollout.Rollout`'s stepping loop; this class makes,
+    steps and resets the vector envs."""
+
+    serial = False  # steps written into time-major buffers, copied into the slot at the batch's end
+    takes_arrays = True
 
     def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: Any = None) -> None:
         self.cfg = cfg
@@ -231,6 +179,7 @@ class VectorRollout(Rollout):
         self.random_calls = -(-cfg.random_steps // n)
         self.obs_space, self.act_space = self.vecs[0].obs_space, self.vecs[0].act_space
         self.mode = self.vecs[0].mode
+        self.same = self.mode == _SAME
         self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
         if cfg.one_hot_actions:
             raise ConfigError(
@@ -248,6 +197,7 @@ class VectorRollout(Rollout):
         self.bare_act = is_bare(self.act_space)
         self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)  # type: ignore[assignment]  # (an array here)
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
+        self.fast_obs = self.single_obs and not self.finite_obs
         self.steps = 0
         self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
         counters = cfg.traj_counters
@@ -344,12 +294,6 @@ class VectorRollout(Rollout):
             if k in self.finite_obs and not np.isfinite(buf[i]).all():
                 self._nonfinite_obs(k, i, buf[i], when)
 
-    def _staging(self, T: int) -> _Staging:
-        stage = getattr(self, "_stage", None)
-        if stage is None or stage.T != T:
-            stage = self._stage = _Staging(T, self.rows, self.obs_leaves, self.act_leaves, self.extra_leaves, self.cur_obs)
-        return stage
-
     # -- stepping -------------------------------------------------------------------------------------
     def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
         rows = slice(c * self.n, (c + 1) * self.n)
@@ -377,183 +321,48 @@ class VectorRollout(Rollout):
             out.append(arr)
         return out[0], out[1], out[2]
 
-    def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
-        """Write one batch into ``views`` (see :meth:`Rollout.fill`): each step of the policy is one
-        ``step`` of every vector env; ended sub-envs are reset before the next step. Steps are
-        written into time-major buffers of this process (a step's rows are contiguous there) and
-        copied into the slot once, at the end of the batch."""
-        cfg = self.cfg
-        vecs, n = self.vecs, self.n
-        hb = self.heartbeat
-        if cfg.reset_at_each_iter and self.batches > 0:
-            for c, vec in enumerate(vecs):
-                if hb is not None:
-                    hb.begin(RESET, int(self.env_ids[c * n]))
-                obs = vec.reset([None] * n)
-                self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
-            self._new_trajs(np.arange(self.rows))
-        traj_buf = views[("collector", "traj_ids")]
-        T = traj_buf.shape[1]
-        stage = self._staging(T)
-        for st, carried in zip(stage.obs, self.cur_obs):
-            st[0] = carried
-        first_traj = self.cur_traj.copy()
-        first_step, first_start = self.steps, self.ep_start.copy()
-        versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
-        guard = self.guard
-        same = self.mode == _SAME
-        check_finite = cfg.check_finite
-        max_len = cfg.max_frames_per_traj
-        ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
-        ep_start = self.ep_start
+    def _step_envs(
+        self, actions: Any, nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray
+    ) -> list[tuple[int, dict]]:
+        """One ``step`` of every vector env (see :meth:`Rollout._step_envs`); returns ``(copy, info)``
+        of the same-step copies where episodes ended (their final observations are in the info)."""
+        vecs, n, hb = self.vecs, self.n, self.heartbeat
         one = len(vecs) == 1
-        # the hot path: one observation leaf of the leaf's dtype and shape, no NaN check: written as is
-        fast_obs = self.single_obs and not self.finite_obs
         dtype0, shape0 = self.batched_leaves[0].np_dtype, self.batched_leaves[0].shape
-        clock = time.perf_counter
-        policy_time = env_time = 0.0
-        t_env = clock()
-        for t, (obs_t, act_t, extra_t, nxt, cur, rew_t, term_t, trunc_t, done_t) in enumerate(stage.steps):
-            random = self.steps < self.random_calls
-            runner = self.random_runner if random else self.runner
-            t_policy = clock()
-            env_time += t_policy - t_env
+        finals: list[tuple[int, dict]] = []
+        for c, vec in enumerate(vecs):
             if hb is not None:
-                hb.begin(POLICY)
-            _, act_arrays, extras = runner.act(obs_t)
-            t_env = clock()
-            policy_time += t_env - t_policy
-            if runner.remote:  # the version of the server's forward pass for this step
-                versions[t] = runner.version
-            for dst, arr in zip(act_t, act_arrays):
-                dst[...] = arr
-            env_arrays = act_arrays
-            if guard is not None and not random:
-                env_arrays = guard.apply(act_arrays, act_arrays, self._action_step)
-            if extra_t:
-                for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
-                    dst[...] = arr
-            finals: list[tuple[int, dict]] = []  # (copy, info) of same-step copies where episodes ended
-            for c, vec in enumerate(vecs):
-                if hb is not None:
-                    hb.begin(STEP, int(self.env_ids[c * n]))
-                obs, rew, term, trunc, info = vec.step(self._actions(env_arrays, c))
-                rew, term, trunc = self._check_step(c, rew, term, trunc)
+                hb.begin(STEP, int(self.env_ids[c * n]))
+            obs, rew, term, trunc, info = vec.step(self._actions(actions, c))
+            rew, term, trunc = self._check_step(c, rew, term, trunc)
+            if one:
+                rew_t[...] = rew
+                term_t[...] = term
+                trunc_t[...] = trunc
+            else:
+                rows = slice(c * n, (c + 1) * n)
+                rew_t[rows] = rew
+                term_t[rows] = term
+                trunc_t[rows] = trunc
+            if self.same and (term.any() or trunc.any()):
+                finals.append((c, info))
+            # the hot path: one observation leaf of the leaf's dtype and shape, no NaN check: written as is
+            if self.fast_obs and type(obs) is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0:
                 if one:
-                    rew_t[...] = rew
-                    term_t[...] = term
-                    trunc_t[...] = trunc
+                    nxt[0][...] = obs
                 else:
-                    rows = slice(c * n, (c + 1) * n)
-                    rew_t[rows] = rew
-                    term_t[rows] = term
-                    trunc_t[rows] = trunc
-                if same and (term.any() or trunc.any()):
-                    finals.append((c, info))
-                if fast_obs and type(obs) is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0:
-                    if one:
-                        nxt[0][...] = obs
-                    else:
-                        nxt[0][c * n : (c + 1) * n] = obs
-                else:
-                    self._write_obs(c, obs, nxt, None, "returned by step")
-            ended = env_ended = np.logical_or(term_t, trunc_t, out=done_t)
-            cut = None
-            if max_len is not None:  # (an episode's length after this step: steps + 1 - its start)
-                cut = ep_start <= self.steps + 1 - max_len
-                cut &= ~env_ended
-                if cut.any():
-                    trunc_t |= cut
-                    env_ended = ended.copy()
-                    ended |= cut
-            if check_finite and not np.isfinite(rew_t).all():
-                row = int(np.flatnonzero(~np.isfinite(rew_t))[0])
-                raise SpecError(
-                    f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
-                    f"{float(rew[row - (row // n) * n])!r}: not finite (check_finite=True)"
-                )
-            # the next observation of every row: its next obs, or its reset obs after an episode end
-            for dst, src in zip(cur, nxt):
-                dst[...] = src
-            rows = ended.nonzero()[0]
-            if len(rows):
-                ends.append((t, rows))  # (their episodes are worked out once, at the end of the batch)
-                self._after_ends(rows, env_ended, cut, finals, nxt, cur)
-                ep_start[rows] = self.steps + 1
-            self.steps += 1
-            yield
-        env_time += clock() - t_env
-        if hb is not None:
-            hb.idle()
-        self.timing = {"env": env_time, "policy": policy_time}
-        # into the slot: one copy per key ([T, E, ...] -> [E, T, ...])
-        for leaf, st in zip(self.obs_leaves, stage.obs):
-            _copy_transposed(views[leaf.key], st)
-        for leaf, st in zip(self.obs_leaves, stage.next):
-            _copy_transposed(views[("next",) + leaf.key], st)
-        for leaf, st in zip(self.act_leaves + self.extra_leaves, stage.act + stage.extras):
-            _copy_transposed(views[leaf.key], st)
-        views[("next", "reward")][..., 0] = stage.rew.T
-        views[("next", "terminated")][..., 0] = stage.term.T
-        views[("next", "truncated")][..., 0] = stage.trunc.T
-        views[("collector", "policy_version")][...] = versions
-        write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
-        write_step_counts(views, stage.done.T, first_step - first_start)
-        self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
-        self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)
-        self.batches += 1
+                    nxt[0][c * n : (c + 1) * n] = obs
+            else:
+                self._write_obs(c, obs, nxt, None, "returned by step")
+        return finals
 
-    @property
-    def episodes(self) -> Episodes:  # type: ignore[override]
-        """The episodes that ended in the last batch, in the order they ended, made from the
-        arrays kept per step (a 256-sub-env CartPole ends about a thousand episodes per batch: no
-        object per episode)."""
-        if self._ends is None:
-            return NO_EPISODES
-        rows, ids, rets, lens, terms = self._ends
-        return Episodes(np.asarray(self.env_ids)[rows], ids, rets, lens, terms)
-
-    def _tally(
-        self, ends: list[tuple[int, np.ndarray]], stage: _Staging, traj_buf: np.ndarray, first_step: int,
-        first_start: np.ndarray,
-    ) -> tuple[np.ndarray, ...] | None:
-        """At the end of a batch: the episodes that ended in it (``ends``: the rows that ended at
-        each step, in order) as columns -- rows, trajectory ids, returns, lengths, terminated, in the
-        order they ended -- and each row's reward carried into the next batch (:attr:`ep_ret`).
-        Worked out from the batch's rewards with a few whole-batch operations rather than per step:
-        a row's return is the difference of its running sum of rewards (``float64``) at its end and
-        at its previous end in this batch, or, for its first end, that sum plus what it carried in;
-        its length likewise from steps (``first_start``: each row's episode start at the batch's
-        first step, ``first_step``)."""
-        sums = stage.sums  # [T, E]: each row's reward up to each step (a step at a time: faster than np.cumsum here)
-        np.copyto(sums, stage.rew)
-        for t in range(1, len(sums)):
-            np.add(sums[t - 1], sums[t], out=sums[t])
-        carried = self.ep_ret
-        if not ends:
-            carried += sums[-1]
-            return None
-        ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
-        rows = np.concatenate([r for _, r in ends])
-        order = np.lexsort((ts, rows))  # by row, then by step
-        er, et = rows[order], ts[order]
-        first = np.empty(len(er), bool)  # the row's first end in this batch
-        first[0] = True
-        np.not_equal(er[1:], er[:-1], out=first[1:])
-        prev = np.empty_like(et)  # the step of the row's previous end (first ends: none)
-        prev[0] = 0
-        prev[1:] = et[:-1]
-        rets = sums[et, er] - sums[prev, er]
-        lens = et - prev
-        rets[first] = sums[et[first], er[first]] + carried[er[first]]
-        lens[first] = first_step + et[first] + 1 - first_start[er[first]]
-        carried += sums[-1]
-        last = np.append(first[1:], True)  # the row's last end in this batch
-        r_last = er[last]
-        carried[r_last] = sums[-1, r_last] - sums[et[last], r_last]
-        back = np.empty_like(order)  # back into the order the episodes ended in
-        back[order] = np.arange(len(order))
-        return rows, traj_buf[rows, ts], rets[back], lens[back], stage.term[ts, rows]
+    def _reset_all(self) -> None:
+        hb = self.heartbeat
+        for c, vec in enumerate(self.vecs):
+            if hb is not None:
+                hb.begin(RESET, int(self.env_ids[c * self.n]))
+            obs = vec.reset([None] * self.n)
+            self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
 
     def _after_ends(
         self, rows: np.ndarray, env_ended: np.ndarray, cut: np.ndarray | None, finals: list[tuple[int, dict]],
@@ -607,18 +416,3 @@ class VectorRollout(Rollout):
                     row = first_nonfinite(d[at])
                     if row is not None:
                         self._nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
-
-    @property
-    def traj_counters(self) -> list[int]:
-        """Per env row of this worker: the number of the trajectory it is in now."""
-        return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
-
-    def _new_trajs(self, rows: np.ndarray) -> None:
-        """The rows ``rows`` start a new trajectory (between batches)."""
-        self.cur_traj[rows] += self.total_rows
-        self.ep_ret[rows] = 0.0
-        self.ep_start[rows] = self.steps
-
-    def _step_text(self, i: int, taken: bool = False) -> str:
-        # (during a step: the episode's count of it is the same whether it is taken or not)
-        return f"step {self.steps + 1} (step {self.steps + 1 - int(self.ep_start[i])} of its episode)"

@@ -1,0 +1,138 @@
+"""The seam between the collector (or the evaluator) and the kinds of worker: what every worker
+seat does (:class:`Seat`, :class:`RolloutSeat`, :class:`EvalSeat`), and what a backend does
+(:class:`Backend`): start a run's rollout seats, share the slots with them, open the evaluator's
+worker. The backends aiocollect ships are picked by name from one table
+(:mod:`aiocollect._backends.table`); a backend object of one's own (a fake for tests, as
+httpx's ``MockTransport`` is one for its clients) is passed to ``Collector(backend=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from .._core.layout import SlotLayout
+from .._worker.rollout import RolloutConfig
+
+
+@runtime_checkable
+class Seat(Protocol):
+    """A worker seat of any kind (a process, a Ray actor, the local rollout, a fake)."""
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (on its node, for a Ray actor); ``None`` if it has none."""
+
+    hung: BaseException | None
+    """The error of a worker the watchdog declared hung (set before it is killed)."""
+
+    async def stop(self, timeout: float) -> None:
+        """Let the worker close its envs for ``timeout`` seconds, then kill it. Idempotent."""
+
+    def stop_nowait(self) -> None:
+        """Kill the worker now (the event loop is going away: nothing may be awaited)."""
+
+
+@runtime_checkable
+class RolloutSeat(Seat, Protocol):
+    """A collector's worker seat, as the producer, the supervisor and the watchdog drive it (the
+    bookkeeping they read, ``ready``, ``held``, ``completed`` ..., is
+    :class:`~aiocollect._backends.workers.WorkerHandle`'s)."""
+
+    index: int
+
+    async def grant(self, credits: int) -> None:
+        """Let the worker fill ``credits`` more batches."""
+
+    async def release(self, slot: int) -> None:
+        """The consumer is done with ``slot``: the worker may fill it again."""
+
+    async def serve(self, on_ready: Any, on_applied: Any) -> BaseException:
+        """Handle the worker's reports until it fails; return its error."""
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
+
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        """``(what, env, seconds)`` if the worker is hung (``None``: it is not, or it is not watched)."""
+
+    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
+        """Record the hang found by :meth:`stuck` in :attr:`hung` and kill the worker."""
+
+
+@runtime_checkable
+class EvalSeat(Seat, Protocol):
+    """The evaluator's worker, as :class:`~aiocollect._evaluator.run.EvalRun` drives it."""
+
+    dead: BaseException | None
+    failed: bool
+
+    async def evaluate(self, req: Any, weights: Any, episodes: int) -> Any:
+        """Run evaluation ``req``; its answer (a :mod:`~aiocollect._core.eval_wire` message)."""
+
+    def abort_nowait(self, rid: int) -> None:
+        """Ask the worker to stop evaluation ``rid``."""
+
+    def failure(self, msg: Any) -> BaseException:
+        """The exception of a failed evaluation's answer."""
+
+    async def check_hung(self, timeout: float) -> None:
+        """Declare the worker hung (and kill it) if it is."""
+
+
+@dataclasses.dataclass
+class Launch:
+    """What a backend gets to start a run's rollout workers."""
+
+    configs: list[RolloutConfig]
+    """One per worker seat (its env, its policy, its seeds)."""
+    needs: tuple[str, ...] = ()
+    """The heavy modules the workers' policies import (the launcher imports them once)."""
+    shutdown_timeout: float = 0.0
+    """Seconds a worker that must go (a failed start-up) gets to close its envs."""
+    options: Any = None
+    """The backend's own options as the user gave them (``ray_actor_options`` for Ray)."""
+    policy: Any = None
+    """The local backend: the collector's policy (a replica of it is used)."""
+    factory: Callable[[], Any] | None = None
+    """The local backend: the policy factory, when there is no policy."""
+
+
+@dataclasses.dataclass
+class Sharing:
+    """What a backend gets to share the slots with its started seats."""
+
+    layout: SlotLayout
+    """The slots' layout (every worker's rows)."""
+    store: Any = None
+    """The weight store every worker reads, if the policy has weights."""
+    store_fds: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Per worker index: the descriptors of the weight stores it maps (the process backend)."""
+    watch: bool = False
+    """A ``step_timeout`` is set: the workers keep a heartbeat."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a collector's workers run. aiocollect's own are named in
+    :data:`~aiocollect._backends.table.BACKENDS`; any object with these members can be passed
+    to ``Collector(backend=...)`` instead of a name (a fake pool of workers in tests)."""
+
+    name: str
+    """Its name in messages (``"process"``)."""
+    weights_in_parent: bool
+    """The weight stores stay in this process's memory (the workers do not map them)."""
+
+    def warm_up(self, needs: tuple[str, ...]) -> None:
+        """A collector was built: prepare what starting its workers will need (without waiting)."""
+
+    async def start(self, launch: Launch) -> tuple[list[Any], list[dict]]:
+        """Start a seat per config (:class:`RolloutSeat`); return them and the specs they
+        report (batch leaves, weights). Nothing is left running if this raises."""
+
+    async def share_slots(self, seats: list[Any], sharing: Sharing) -> tuple[int, Any]:
+        """Allocate the slots' shared memory, give each seat its rows (and the weight store);
+        return the segment (descriptor, mapping), owned by the caller."""
+
+
+__all__ = ["Backend", "EvalSeat", "Launch", "RolloutSeat", "Seat", "Sharing"]
