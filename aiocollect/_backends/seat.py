@@ -9,10 +9,12 @@ httpx's ``MockTransport`` is one for its clients) is passed to ``Collector(backe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from .._core.layout import SlotLayout
-from .._worker.rollout import RolloutConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .._worker.rollout import RolloutConfig
 
 
 @runtime_checkable

@@ -14,7 +14,6 @@ from .._core.errors import ConfigError
 from .._service.resource import in_own_thread
 from .launcher import get_launcher
 from .seat import Backend, Launch, Sharing
-from .workers import LocalWorker, setup_process_slots, start_process_workers
 
 
 class ProcessBackend:
@@ -30,10 +29,14 @@ class ProcessBackend:
         get_launcher().ensure_started(needs)  # it imports what the workers need meanwhile
 
     async def start(self, launch: Launch) -> tuple[list[Any], list[dict]]:
+        from .workers import start_process_workers  # (the evaluator, which uses this table too, imports no rollout code)
+
         workers, specs = await start_process_workers(launch.configs, launch.needs, get_launcher(), launch.shutdown_timeout)
         return list(workers), specs
 
     async def share_slots(self, seats: list[Any], sharing: Sharing) -> tuple[int, Any]:
+        from .workers import setup_process_slots
+
         weight_layout = None if sharing.store is None else sharing.store.layout
         return await setup_process_slots(seats, sharing.layout, sharing.store_fds, weight_layout, sharing.watch)
 
@@ -62,10 +65,12 @@ class LocalBackend:
         # a replica, as in a worker: the caller's module may change under training (the local
         # rollout yields to the loop mid-batch), weights change only by update_weights (copied
         # here, in the loop: never while the caller's task changes it)
+        from .workers import LocalWorker
+
         replica = copy.deepcopy(launch.policy) if launch.policy is not None else None
         factory = launch.factory
 
-        def build() -> LocalWorker:
+        def build() -> Any:
             policy = replica if replica is not None or factory is None else factory()
             return LocalWorker(launch.configs[0], policy)
 
