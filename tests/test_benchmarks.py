@@ -107,3 +107,37 @@ def test_inference_benchmark_beside_a_busy_trainer_reports_the_trainers_rate():
     rows = re.findall(r"^(worker|server)\s+[\d,]+\s+[\d.]+\s+.*\s([\d,]+)\s+[\d,]+$", out, re.M)
     assert [r[0] for r in rows] == ["worker", "server"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
     assert "trainer/s" in out and not warnings_in(out), out
+
+
+FAKE_BENCHMARK = """
+import argparse, json, os, aiocollect
+p = argparse.ArgumentParser(); p.add_argument("--json"); p.add_argument("--scale", type=float, default=1.0)
+a = p.parse_args()
+here = os.path.dirname(os.path.dirname(os.path.abspath(aiocollect.__file__)))
+with open(a.json, "w") as f:
+    json.dump({"machine": {"cpu": "x"}, "cartpole": {"limit_fps": 10.0, "results": [
+        {"name": "limit", "ratio_to_limit": 1.0}, {"name": "ours", "ratio_to_limit": 0.5 * a.scale}]},
+        "pong": {"skipped": "no envpool"}, "tree": here}, f)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_compare_trees_runs_a_script_with_each_tree_and_prints_its_ratios_side_by_side(tmp_path):
+    script = tmp_path / "fake_benchmark.py"
+    script.write_text(FAKE_BENCHMARK)
+    out = run_script("compare_trees.py", "--with", ROOT, "--rounds", "2", "--", str(script), "--scale", "1.5")
+    assert "[4/4]" in out, out  # two rounds of each tree (here the same tree twice: an A/A run)
+    rows = {line.split()[2]: line.split() for line in out.splitlines() if line.startswith("cartpole / ")}
+    assert rows["ours"][3:6] == ["0.75", "0.75", "+0.0%"], out
+    assert rows["limit"][3:5] == ["1.00", "1.00"], out
+    assert "pong" not in "".join(rows), out  # (a skipped table has no ratio)
+
+
+@pytest.mark.timeout(120)
+def test_compare_trees_refuses_a_directory_without_aiocollect(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "compare_trees.py"), "--with", str(tmp_path), "--",
+         "benchmarks/vector_envs.py"], capture_output=True, text=True, timeout=100, cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    assert "compare_trees:" in proc.stderr and str(tmp_path) in proc.stderr, proc.stderr
