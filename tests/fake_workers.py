@@ -110,13 +110,19 @@ class FakeBackend:
 
     name = "fake"
     weights_in_parent = False
+    profiles = False  # (a fake worker records nothing)
+    serves_inference = False
 
     def __init__(self, *scripts: Script) -> None:
         self.scripts = list(scripts)
         self.pools: list[list[FakeWorker]] = []
+        self.warmed: list[tuple[str, ...]] = []  # the needs of every warm_up
+
+    def check_options(self, options: Any, workers: int) -> None:
+        """No options of its own (aiocollect's backends' are refused by the config's table)."""
 
     def warm_up(self, needs: tuple[str, ...]) -> None:
-        pass
+        self.warmed.append(needs)
 
     async def start(self, launch: Launch) -> tuple[list[FakeWorker], list[dict]]:
         configs = launch.configs

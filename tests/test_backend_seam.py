@@ -5,19 +5,29 @@ place."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import socket
 
 import pytest
 import torch
 
-from aiocollect import Collector, ConfigError, State
+import aiocollect
+from aiocollect import Collector, ConfigError, Evaluator, ProfileConfig, State
 from aiocollect._backends import failures
 from aiocollect._backends.eval_process import EvalProcess
 from aiocollect._backends.ray import RayWorker, _Snapshots
 from aiocollect._backends.ray_eval import RayEvalWorker
-from aiocollect._backends.seat import Backend, EvalSeat, RolloutSeat, Seat
-from aiocollect._backends.table import BACKENDS, LocalBackend, backend_named, backend_object
-from aiocollect._backends.workers import ProcessWorker, WorkerHandle
+from aiocollect._backends.seat import Backend, EvalSeat, RolloutSeat, Seat, WatchedSeat
+from aiocollect._backends.table import (
+    BACKENDS,
+    EVALUATOR_BACKENDS,
+    LocalBackend,
+    ProcessBackend,
+    backend_named,
+    backend_object,
+)
+from aiocollect._backends.workers import LocalWorker, ProcessWorker, WorkerHandle
 from fake_workers import FakeBackend, FakeWorker, Script, value
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +57,8 @@ def test_an_object_that_is_no_backend_is_a_config_error_saying_what_it_lacks():
         async def start(self, launch):  # pragma: no cover - never started
             raise AssertionError
 
-    with pytest.raises(ConfigError, match=r"lacks weights_in_parent, warm_up, share_slots"):
+    with pytest.raises(ConfigError, match=r"lacks weights_in_parent, profiles, serves_inference, check_options, "
+                                          r"warm_up, share_slots"):
         backend_object(Half())
     with pytest.raises(ConfigError, match=r"neither a backend's name"):
         Collector("CartPole-v1", None, frames_per_batch=8, num_workers=1, backend=Half())
@@ -85,6 +96,8 @@ def test_every_seat_has_the_seams_verbs():
         for seat in rollout_seats:
             assert isinstance(seat, RolloutSeat), type(seat).__name__
             assert isinstance(seat, WorkerHandle)
+        # only the seats whose stuck() can report a hang have declare_hung (none that only raises)
+        assert [isinstance(seat, WatchedSeat) for seat in rollout_seats] == [True, True, False]
         for seat in eval_seats:
             assert isinstance(seat, EvalSeat), type(seat).__name__
         for seat in rollout_seats + eval_seats:
@@ -122,3 +135,126 @@ def test_failure_texts_come_from_one_place():
     hung = failures.hung_error("worker 0 (pid 5)", 0, (1, 1, 3.0), 2.0, "  File x", None)
     assert str(hung).startswith("worker 0 (pid 5) is hung:") and "Its stack when it was declared hung:" in str(hung)
     assert str(hung).endswith(failures.REPLACE_HUNG)
+
+
+def test_seats_that_never_report_a_hang_have_no_declare_hung():
+    for seat in (WorkerHandle, LocalWorker, FakeWorker):
+        assert not hasattr(seat, "declare_hung"), seat.__name__
+    assert FakeWorker(0, Script()).stuck(1.0) is None
+
+
+# -- the config holds the backend ------------------------------------------------------------------
+
+async def test_a_backend_object_reaches_the_config_and_is_warmed_up():
+    fake = FakeBackend(Script(), Script())
+    c = Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=fake)
+    try:
+        assert c.config.backend is fake
+        assert c.config.chosen_backend is fake
+        assert c.config.backend_name == "fake"
+        assert fake.warmed == [()]  # (a random policy imports nothing heavy)
+    finally:
+        await c.aclose()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("ray_actor_options", {"num_cpus": 1}, r"ray_actor_options=\{'num_cpus': 1\} sets the options of the workers' Ray "
+                                           r"actors, so it needs backend='ray', but backend='fake'; pass backend='ray'"),
+    ("worker_cpus", [0], r"worker_cpus=\[0\] places the worker processes on CPUs, so it needs backend='process', but "
+                         r"backend='fake'; pass backend='process' or drop it"),
+    ("step_timeout", 5.0, r"step_timeout=5.0 declares a worker hung after that long, so it needs backend='process' or "
+                          r"backend='ray', but backend='fake'; its workers are not watched"),
+    ("inference", "server", r"backend='fake' does not support server inference .* yet: inference='server'"),
+    ("profile", ProfileConfig(), r"backend='fake' does not support the profiler .* yet: profile="),
+])
+def test_options_of_another_backend_are_refused_for_a_backend_object(option, value, message):
+    fake = FakeBackend(Script(), Script())
+    with pytest.raises(ConfigError, match=message):
+        Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=fake, **{option: value})
+    assert fake.warmed == []  # (refused before the collector was made)
+
+
+def test_a_backend_checks_its_own_options_and_workers():
+    class Picky(FakeBackend):
+        def check_options(self, options, workers):
+            if workers != 3:
+                raise ConfigError(f"backend='picky' needs num_workers=3, got {workers}")
+
+    with pytest.raises(ConfigError, match="needs num_workers=3, got 2"):
+        Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=Picky())
+    with pytest.raises(ConfigError, match=r"backend='process' runs the envs in worker processes, but num_workers=0"):
+        Collector("CartPole-v1", None, frames_per_batch=16, num_workers=0, backend="process")
+    with pytest.raises(ConfigError, match=r"backend='local' runs the envs in the collector's own process, but "
+                                          r"num_workers=2"):
+        Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend="local")
+
+
+async def test_profiling_is_refused_by_capability_not_by_name():
+    fake = FakeBackend(Script(), Script())
+    c = Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=fake)
+    try:
+        with pytest.raises(ConfigError, match=r"enable_profile\(\): backend='fake' does not support the profiler yet "
+                                              r"\(its traces are files on the workers' machines\); use "
+                                              r"backend='process' to profile"):
+            c.enable_profile()
+    finally:
+        await c.aclose()
+
+    class Profiling(FakeBackend):
+        profiles = True
+
+    c = Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=Profiling(Script(), Script()))
+    try:
+        assert c.enable_profile(workers=[1]).workers == (1,)
+    finally:
+        await c.aclose()
+
+
+# -- the evaluator -----------------------------------------------------------------------------------
+
+class _WarmUpSpy(ProcessBackend):
+    def __init__(self) -> None:
+        self.warmed: list[tuple[str, ...]] = []
+
+    def warm_up(self, needs: tuple[str, ...]) -> None:
+        self.warmed.append(needs)
+
+
+def test_the_evaluator_warms_its_backend_up_through_the_table(monkeypatch):
+    spy = _WarmUpSpy()
+    monkeypatch.setitem(BACKENDS, "process", spy)
+    evaluator = Evaluator("CartPole-v1")
+    assert evaluator.config.chosen_backend is spy
+    assert spy.warmed == [()]  # (never started: the launcher was not asked to start)
+    assert EVALUATOR_BACKENDS == ("process", "ray")
+    with pytest.raises(ConfigError, match=r"backend='local' must be 'process' or 'ray'"):
+        Evaluator("CartPole-v1", backend="local")
+
+
+# -- no backend is told apart by name outside the table -------------------------------------------
+
+def _names_compared(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every comparison (``==``, ``!=``, ``in``, ``not in``) with one of the table's names."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for operand in (node.left, *node.comparators):
+            consts = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            for const in consts:
+                if isinstance(const, ast.Constant) and const.value in BACKENDS:
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_backend_name_is_compared_outside_the_table():
+    package = pathlib.Path(aiocollect.__file__).parent
+    assert _names_compared(ast.parse('if c.backend == "ray" or backend in ("process", "x"): pass'))  # (it can fail)
+    found = {}
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] == "_backends":
+            continue
+        hits = _names_compared(ast.parse(path.read_text(), str(path)))
+        if hits:
+            found[str(path.relative_to(package))] = hits
+    assert found == {}

@@ -127,8 +127,32 @@ def test_reference_shows_sphinx_roles_as_code_not_as_text(site):
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT + 30)
+def test_reference_shows_docstring_examples_as_code_and_signatures_formatted(site):
+    """``>>>`` examples are code blocks (not nested quotes), without doctest directives; signatures
+    are formatted one parameter a line (the docs extra's black), with no default that does not
+    exist (``frames_per_batch`` has none)."""
+    text = site.reference()
+    assert "<blockquote" not in text, "a docstring's >>> example rendered as a quote: put it in an Examples: section"
+    assert "doctest:" not in text
+    assert "&gt;&gt;&gt;" in text  # (the examples are there, as code)
+    assert "Formatting signatures requires" not in site.log, "install the docs extra (black formats the signatures)"
+    config = html.unescape(re.sub(r"<[^>]+>", "", site.page("reference/config.md")))
+    signature = config[config.index("CollectorConfig(") :]
+    assert "\n    create_env_fn: Any,\n" in signature, signature[:300]
+    assert re.search(r"frames_per_batch: int,", signature) and "frames_per_batch: int =" not in signature, signature[:300]
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 30)
 def test_benchmarks_page_shows_a_plot_per_benchmark_that_plots_py_draws(site):
     page = site.page("benchmarks.md")
     for name in ("throughput", "pixels", "vector_envs", "inference", "weight_sync", "startup"):
         assert f'img/{name}.png"' in page, f"benchmarks.md does not show img/{name}.png"
         assert (site.path / "img" / f"{name}.png").is_file(), f"docs/img/{name}.png is missing"
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 30)
+def test_the_changelog_page_shows_the_repositorys_changelog(site):
+    first = next(line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("- "))
+    words = re.findall(r"[A-Za-z]{5,}", first)[:4]
+    page = html.unescape(re.sub(r"<[^>]+>", "", site.page("changelog.md")))
+    assert "Unreleased" in page and all(word in page for word in words), words

@@ -806,7 +806,8 @@ def test_wire_messages_are_frozen_and_survive_the_socket():
 
 
 def test_the_evaluator_imports_no_rollout_code():
-    """Neither the evaluator (parent side) nor its worker imports the collector's rollout code."""
+    """Importing the evaluator (parent side) or its worker's module loads none of the collector's code
+    (its worker loads the stepping loop once configured: the evaluator imports fast)."""
     code = (
         "import sys, aiocollect._evaluator.evaluator, aiocollect._worker.eval_main\n"
         "print(sorted(m for m in ('aiocollect._worker.rollout', 'aiocollect._backends.workers', 'aiocollect._worker.main', "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode
 
-from aiocollect import Collector
+from aiocollect import Collector, Evaluator
 from aiocollect.events import EpisodeEnded
 
 pytestmark = pytest.mark.timeout(90)
@@ -61,3 +61,33 @@ async def test_single_env_and_vector_of_one_give_the_same_batches(make, mode):
     assert [e[:4] for e in single_events] == [e[:4] for e in vector_events] and single_events
     for (*_, r1), (*_, r2) in zip(single_events, vector_events):
         assert r1 == pytest.approx(r2, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "env, kwargs", [("Pendulum-v1", {"max_episode_steps": 23}), ("CartPole-v1", {})], ids=["pendulum", "cartpole"]
+)
+async def test_evaluator_episodes_and_collector_batches_agree(env, kwargs):
+    """The evaluator's episode j (reset(seed=seed + j), random actions from its action space seeded
+    with seed + j) is env j's first episode in a collector with the same seed: the one stepping loop
+    gives both the same length and the same return, to the bit (Pendulum's float64 rewards added in
+    the order they came, across the collector's batches of 10 steps)."""
+    E = 3
+    _, events = await collect(
+        env, frames_per_batch=E * 10, total_frames=E * 400, num_workers=0, envs_per_worker=E, seed=7,
+        backend="local", create_env_kwargs=kwargs,
+    )
+    first: dict[int, tuple[float, int]] = {}
+    for env_row, _, length, _, ret in events:
+        first.setdefault(env_row, (ret, length))
+    assert sorted(first) == list(range(E))
+    with anyio.fail_after(60):
+        async with Evaluator(env, env_kwargs=kwargs, num_trajectories=E, seed=7, num_envs=2, metrics_fn=episodes) as ev:
+            metrics = await ev.evaluate()
+    assert metrics["lengths"] == [first[j][1] for j in range(E)]
+    assert metrics["returns"] == [first[j][0] for j in range(E)]
+    assert max(metrics["lengths"]) > 10  # (an episode crossed a batch of the collector)
+
+
+def episodes(returns, lengths) -> dict:
+    """metrics_fn that exposes every episode."""
+    return {"returns": returns.tolist(), "lengths": lengths.tolist()}

@@ -167,7 +167,7 @@ async def test_user_program_with_weight_updates():
                         p.add_(0.01)
                 version = await c.update_weights(policy)
                 assert version == len(versions)
-            puts = c._run.workers[0].snapshots.puts if c._run.workers else None
+            puts = c._run.shared.workers[0].snapshots.puts if c._run.shared.workers else None
         assert c.frames == 1200
     assert versions[0] == 0 and versions[1:] == sorted(versions[1:]) and versions[-1] >= 4
     assert {w for w, v in applied if v == versions[-1]} == {0, 1}
@@ -183,14 +183,14 @@ async def test_weights_put_once_per_version_and_acknowledged():
                              backend="ray", prefetch=0) as c:
             await c.collect()
             seen(c)
-            snapshots = c._run.workers[0].snapshots
-            assert c._run.workers[1].snapshots is snapshots
+            snapshots = c._run.shared.workers[0].snapshots
+            assert c._run.shared.workers[1].snapshots is snapshots
             before = snapshots.puts
             for k in range(3):
                 with torch.no_grad():
                     policy.net[0].bias.fill_(float(k))
                 version = await c.update_weights(policy, wait=True)
-                assert c._run.sync.acked == [version, version]
+                assert c._run.shared.sync.acked == [version, version]
             assert snapshots.puts - before == 3
             batch = await c.collect()
             assert bool((batch["collector", "policy_version"] == version).all())
@@ -262,7 +262,7 @@ async def test_killed_actor_raises_broken_worker_error():
         async with c:
             await c.collect()
             pids = seen(c)
-            handle = c._run.workers[1].actor
+            handle = c._run.shared.workers[1].actor
             ray.kill(handle)
             with pytest.raises(BrokenWorkerError, match="worker 1 .*Ray actor.* died") as info:
                 for _ in range(50):
@@ -288,7 +288,7 @@ async def test_killed_actor_is_replaced():
                 check_cartpole(batch)
                 n += 1
                 if n == 2:
-                    ray.kill(c._run.workers[0].actor)
+                    ray.kill(c._run.shared.workers[0].actor)
                     await anyio.sleep(0.5)
                 ids |= set(batch["collector", "traj_ids"].unique().tolist())
             seen(c)
@@ -384,7 +384,7 @@ async def test_actor_options_reach_ray():
                                                 "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}) as c:
             await c.collect()
             seen(c)
-            assert {w.node for w in c._run.workers} == {node}
+            assert {w.node for w in c._run.shared.workers} == {node}
 
 
 def test_config_errors(monkeypatch):

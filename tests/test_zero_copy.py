@@ -203,7 +203,7 @@ async def test_default_batches_are_lent_without_a_copy_and_never_touched_while_h
         async for batch in c:
             check_counting(batch)
             del batch
-        loans = c._run.producer.loans
+        loans = c._run.shared.producer.loans
         assert loans.lent >= 20, f"only {loans.lent} of 30 batches were lent"
         assert c.stats().batches_copied == 30 - loans.lent
     assert (kept == expected).all(), "a batch the consumer holds was overwritten"
@@ -233,7 +233,7 @@ async def test_training_loop_that_keeps_some_batches_finds_them_unchanged_at_its
                 train(policy)
                 await c.update_weights(policy)
             stats = c.stats()
-            lent = c._run.producer.loans.lent
+            lent = c._run.shared.producer.loans.lent
     assert n == 16 and stats.batches == 16
     assert lent >= 8 and lent + stats.batches_copied == 16, (lent, stats.batches_copied)
     for k, e in zip(kept, expected):
@@ -253,7 +253,7 @@ async def test_a_lent_batch_kept_after_close_stays_valid_and_pins_only_its_own_s
         for _ in range(12):  # every slot has been written
             kept = await c.collect()
         expected = kept.clone()
-        slot_nbytes, num_slots = c._run.layout.slot_nbytes, c.config.num_slots
+        slot_nbytes, num_slots = c._run.shared.slots.layout.slot_nbytes, c.config.num_slots
         assert c.stats().batches_copied == 0
     assert (kept == expected).all()
     check_counting(kept)
@@ -291,15 +291,15 @@ async def test_batches_kept_beyond_the_loans_are_copies_into_reused_memory_and_l
             batch = await c.collect()
             check_counting(batch)
             del batch
-        pool = c._run.producer.pool
+        pool = c._run.shared.producer.pool
         assert pool.reused >= 10, f"only {pool.reused} of 15 copies reused dropped memory"
         assert all((b == e).all() for b, e in zip(kept, expected)), "a batch the consumer holds was overwritten"
-        lent = c._run.producer.loans.lent
+        lent = c._run.shared.producer.loans.lent
         del kept, expected
         async for batch in c:
             check_counting(batch)
             del batch
-        assert c._run.producer.loans.lent >= lent + 10, "the slots of dropped batches were not lent again"
+        assert c._run.shared.producer.loans.lent >= lent + 10, "the slots of dropped batches were not lent again"
 
 
 def _cartpole_vec():

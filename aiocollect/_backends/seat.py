@@ -1,5 +1,5 @@
 """The seam between the collector (or the evaluator) and the kinds of worker: what every worker
-seat does (:class:`Seat`, :class:`RolloutSeat`, :class:`EvalSeat`), and what a backend does
+seat does (:class:`Seat`, :class:`RolloutSeat`, :class:`WatchedSeat`, :class:`EvalSeat`), and what a backend does
 (:class:`Backend`): start a run's rollout seats, share the slots with them, open the evaluator's
 worker. The backends aiocollect ships are picked by name from one table
 (:mod:`aiocollect._backends.table`); a backend object of one's own (a fake for tests, as
@@ -56,7 +56,14 @@ class RolloutSeat(Seat, Protocol):
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
 
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
-        """``(what, env, seconds)`` if the worker is hung (``None``: it is not, or it is not watched)."""
+        """``(what, env, seconds)`` if the worker is hung; ``None``: it is not, or it is not watched
+        (a seat that never reports a hang, such as the local rollout, is not a :class:`WatchedSeat`:
+        the watchdog calls :meth:`WatchedSeat.declare_hung` only after this reported a hang)."""
+
+
+@runtime_checkable
+class WatchedSeat(RolloutSeat, Protocol):
+    """A rollout seat whose hangs are found from outside (a worker process, a Ray actor)."""
 
     async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
         """Record the hang found by :meth:`stuck` in :attr:`hung` and kill the worker."""
@@ -124,6 +131,15 @@ class Backend(Protocol):
     """Its name in messages (``"process"``)."""
     weights_in_parent: bool
     """The weight stores stay in this process's memory (the workers do not map them)."""
+    profiles: bool
+    """The profiler can record its workers (``Collector.enable_profile``, ``profile=``)."""
+    serves_inference: bool
+    """Its workers can step envs for the collector's inference server (``inference="server"``)."""
+
+    def check_options(self, options: Any, workers: int) -> Any:
+        """Check its own options as the user gave them (``ray_actor_options``) for ``workers``
+        workers (``num_workers``: 0 for the collector's own process), or raise a
+        :class:`~aiocollect.ConfigError` naming what is wrong."""
 
     def warm_up(self, needs: tuple[str, ...]) -> None:
         """A collector was built: prepare what starting its workers will need (without waiting)."""
@@ -137,4 +153,4 @@ class Backend(Protocol):
         return the segment (descriptor, mapping), owned by the caller."""
 
 
-__all__ = ["Backend", "EvalSeat", "Launch", "RolloutSeat", "Seat", "Sharing"]
+__all__ = ["Backend", "EvalSeat", "Launch", "RolloutSeat", "Seat", "Sharing", "WatchedSeat"]

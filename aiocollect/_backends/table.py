@@ -16,14 +16,27 @@ from .launcher import get_launcher
 from .seat import Backend, Launch, Sharing
 
 
+def _needs_workers(name: str, runs_in: str, workers: int) -> None:
+    """A backend of worker seats given ``num_workers=0`` (the local backend's setting)."""
+    if workers == 0:
+        raise ConfigError(
+            f"backend={name!r} runs the envs in {runs_in}, but num_workers=0; use num_workers>=1 "
+            f"(num_workers=0 is the local backend)"
+        )
+
+
 class ProcessBackend:
     """Worker processes forked on this machine (the default with ``num_workers>=1``)."""
 
     name = "process"
     weights_in_parent = False
+    profiles = True
+    serves_inference = True
 
     def check_options(self, options: Any, workers: int) -> None:
-        """This backend takes no options of its own."""
+        """This backend takes no options of its own (another backend's are refused by the
+        config's table of options); it needs a worker or more."""
+        _needs_workers(self.name, "worker processes", workers)
 
     def warm_up(self, needs: tuple[str, ...]) -> None:
         get_launcher().ensure_started(needs)  # it imports what the workers need meanwhile
@@ -54,9 +67,16 @@ class LocalBackend:
 
     name = "local"
     weights_in_parent = True
+    profiles = True
+    serves_inference = True
 
     def check_options(self, options: Any, workers: int) -> None:
-        """This backend takes no options of its own."""
+        """This backend takes no options of its own; it is the collector's process (``num_workers=0``)."""
+        if workers != 0:
+            raise ConfigError(
+                f"backend='local' runs the envs in the collector's own process, but num_workers={workers}; "
+                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
+            )
 
     def warm_up(self, needs: tuple[str, ...]) -> None:
         """Nothing to prepare: no process is started."""
@@ -94,12 +114,15 @@ class RayBackend:
 
     name = "ray"
     weights_in_parent = True  # (each version is shipped through Ray's object store)
+    profiles = False  # (its traces would be files on the actors' machines)
+    serves_inference = False  # (the server shares memory with its workers)
 
     def check_options(self, options: Any, workers: int) -> list[dict]:
         """``ray_actor_options`` as one checked dict per worker (a :class:`ConfigError` names
         what is wrong)."""
         from .ray import check_actor_options
 
+        _needs_workers(self.name, "Ray actors", workers)
         return check_actor_options(options, workers)
 
     def warm_up(self, needs: tuple[str, ...]) -> None:
@@ -127,6 +150,15 @@ class RayBackend:
 #: Every backend aiocollect ships, by name.
 BACKENDS: dict[str, Any] = {"process": ProcessBackend(), "local": LocalBackend(), "ray": RayBackend()}
 
+#: The backends that also open the evaluator's worker (those with ``open_evaluator``).
+EVALUATOR_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if hasattr(b, "open_evaluator"))
+
+
+def backend_choices(choices: tuple[str, ...] = tuple(BACKENDS)) -> str:
+    """``choices`` in words, for messages: ``'process', 'local' or 'ray'``."""
+    words = [repr(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
 
 def backend_named(name: str, choices: tuple[str, ...] = tuple(BACKENDS)) -> Any:
     """The backend called ``name`` (one of ``choices``), or a :class:`ConfigError` naming them."""
@@ -141,7 +173,8 @@ def backend_object(backend: Any) -> Backend:
     :class:`~aiocollect._backends.seat.Backend` (else a :class:`ConfigError` saying which lack)."""
     if isinstance(backend, Backend):
         return backend
-    members = ("name", "weights_in_parent", "warm_up", "start", "share_slots")
+    members = ("name", "weights_in_parent", "profiles", "serves_inference", "check_options", "warm_up", "start",
+               "share_slots")
     missing = [m for m in members if not hasattr(backend, m)]
     listed = ", ".join(repr(c) for c in BACKENDS)
     raise ConfigError(
@@ -150,4 +183,13 @@ def backend_object(backend: Any) -> Backend:
     )
 
 
-__all__ = ["BACKENDS", "LocalBackend", "ProcessBackend", "RayBackend", "backend_named", "backend_object"]
+__all__ = [
+    "BACKENDS",
+    "EVALUATOR_BACKENDS",
+    "LocalBackend",
+    "ProcessBackend",
+    "RayBackend",
+    "backend_choices",
+    "backend_named",
+    "backend_object",
+]

@@ -113,14 +113,11 @@ class WorkerHandle(abc.ABC):
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
 
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
-        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``
-        (never, for a seat that has no watchdog: then it is never declared hung)."""
+        """``(what, env, seconds)`` if the worker is busy with one call for over ``timeout``;
+        ``None`` here: a seat with no watchdog is never hung. A seat that can report a hang also
+        has ``declare_hung`` (:class:`~aiocollect._backends.seat.WatchedSeat`), which the watchdog
+        calls only after this reported one."""
         return None
-
-    async def declare_hung(self, what: int, env: int, seconds: float, timeout: float) -> None:
-        """Take the hung worker's stack into :attr:`hung` and kill it (only after :meth:`stuck`
-        reported it: a seat whose :meth:`stuck` reports nothing keeps this)."""
-        raise AssertionError(f"{type(self).__name__} reported no hang")  # pragma: no cover
 
     @abc.abstractmethod
     async def stop(self, timeout: float) -> None:

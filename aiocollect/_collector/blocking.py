@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 from .._core.errors import AiocollectError, EndOfCollection
 from .._service.portal import Portal
 from .._service.resource import loop_token
-from .run import CollectorState, Run
+from .run import Run
 
 if TYPE_CHECKING:  # pragma: no cover
     from tensordict import TensorDict
@@ -107,8 +107,7 @@ class BlockingMixin:
         """Blocking :meth:`aclose`, for code that used the blocking wrapper."""
         portal = self._portal.portal
         if portal is None:
-            if self._run.state in (CollectorState.CREATED, CollectorState.CLOSED):
-                self._run.state = CollectorState.CLOSED
+            if self._run.close_unstarted():
                 return
             raise AiocollectError("this collector runs in an event loop: use `await collector.aclose()`")
         try:

@@ -22,7 +22,6 @@ from .blocking import BlockingMixin
 from .config import CollectorConfig
 from .._core.errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
 from .._backends.seat import Backend
-from .._backends.table import backend_object
 from .._worker.policy import PolicySpec, classify
 from .._core.profiling import ProfileConfig
 from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
@@ -40,10 +39,11 @@ if TYPE_CHECKING:  # tensordict is imported while the first collector starts (se
 class Collector(Service, BlockingMixin):
     """Collects experience from gymnasium envs stepped in worker processes.
 
-    >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
-    ...                      num_workers=2, envs_per_worker=4) as collector:   # doctest: +SKIP
-    ...     async for batch in collector:
-    ...         batch.batch_size                               # torch.Size([8, 32])
+    Examples:
+        >>> async with Collector("CartPole-v1", frames_per_batch=256, total_frames=1024,
+        ...                      num_workers=2, envs_per_worker=4) as collector:   # doctest: +SKIP
+        ...     async for batch in collector:
+        ...         batch.batch_size                               # torch.Size([8, 32])
 
     Each batch is a :class:`tensordict.TensorDict` of shape ``[E, T]`` (dim names ``[None,
     "time"]``) in TorchRL's layout: ``observation``, ``action``, ``done`` / ``terminated`` /
@@ -105,8 +105,9 @@ class Collector(Service, BlockingMixin):
     ``num_workers>=1``), ``"local"`` (``num_workers=0``) or ``"ray"`` (see
     :attr:`CollectorConfig.backend`). It also takes a backend object instead of a name, to plug
     in a fake pool of workers for tests or a backend of your own: any object with the members of
-    ``aiocollect._backends.seat.Backend`` (``name``, ``weights_in_parent``, ``warm_up``, ``start``,
-    ``share_slots``); the options are then checked as for the default backend.
+    ``aiocollect._backends.seat.Backend`` (``name``, ``weights_in_parent``, ``profiles``,
+    ``serves_inference``, ``check_options``, ``warm_up``, ``start``, ``share_slots``); the config
+    holds it, it checks its own options, and options of aiocollect's backends are refused for it.
 
     See :class:`CollectorConfig` for every option.
     """
@@ -162,20 +163,17 @@ class Collector(Service, BlockingMixin):
         worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
         categorical_action_encoding: bool = True,
     ) -> None:
-        plugged_in = None if backend is None or isinstance(backend, str) else backend_object(backend)
-        if plugged_in is not None:
-            backend = None  # (the config checks the options as for the default backend)
         options = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
         self.config = CollectorConfig(**options)
-        self._run = run = Run(self.config, plugged_in)
-        run.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
+        self._run = run = Run(self.config, self.config.chosen_backend)
+        run.shared.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
         self._portal = portal = Portal(run)
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
         _register_iterable_dataset(type(self))
         # let the backend prepare (the launcher import what the workers need) while the caller does other things
-        run.backend.warm_up(_needs(self.config))
+        run.shared.backend.warm_up(_needs(self.config))
 
     # -- public state -----------------------------------------------------------------------------
     @property
@@ -185,29 +183,29 @@ class Collector(Service, BlockingMixin):
     @property
     def frames(self) -> int:
         """Frames delivered so far (including those restored by :meth:`load_state_dict`)."""
-        return self._run.frames
+        return self._run.shared.counts.frames
 
     @property
     def batches(self) -> int:
         """Batches delivered so far."""
-        return self._run.batches
+        return self._run.shared.counts.batches
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
         """Process ids of the running workers (empty for the local backend; with
         ``backend="ray"``, the actors' process ids on their nodes)."""
-        return tuple(w.pid for w in self._run.workers if w.pid is not None)
+        return tuple(w.pid for w in self._run.shared.workers if w.pid is not None)
 
     @property
     def policy_version(self) -> int:
         """Latest weight version published (0: the weights the policy had at start). Each
         :meth:`update_weights` adds one."""
-        return self._run.sync.version
+        return self._run.shared.sync.version
 
     @property
     def worker_versions(self) -> tuple[int, ...]:
         """Per worker, the weight version it acknowledged applying (at a batch boundary)."""
-        return tuple(self._run.sync.acked)
+        return tuple(self._run.shared.sync.acked)
 
     def __repr__(self) -> str:
         return _describe(self._run)
@@ -303,13 +301,13 @@ class Collector(Service, BlockingMixin):
             raise ConfigError(f"wait={wait!r} must be True or False")
         # what does not depend on the workers' policy, checked before the collector starts
         run = self._run
-        run.sync.check_model_ids(updates)
+        run.shared.sync.check_model_ids(updates)
         check_worker_ids(worker_ids, self.config.workers)
         for name, weights in updates.items():
             if weights is not None:
                 check_weights(weights, updates.argument(name))
         if run.state is CollectorState.CREATED:
-            run.sync.check_before_start(updates)
+            run.shared.sync.check_before_start(updates)
         return await run.update_weights(updates, worker_ids, wait)
 
     # -- profiling and stats ---------------------------------------------------------------------
@@ -322,15 +320,16 @@ class Collector(Service, BlockingMixin):
         same from the start. Each trace file written emits
         :class:`~aiocollect.events.ProfileTraceReady`.
 
-        >>> collector.enable_profile(workers=[0], num_rollouts=5, warmup_rollouts=2,   # doctest: +SKIP
-        ...                          save_path="traces/worker_{worker_idx}.json")
+        Examples:
+            >>> collector.enable_profile(workers=[0], num_rollouts=5, warmup_rollouts=2,   # doctest: +SKIP
+            ...                          save_path="traces/worker_{worker_idx}.json")
         """
         if config is not None and not isinstance(config, ProfileConfig):
             raise ConfigError(f"config={config!r:.100} must be a ProfileConfig or None (then pass its fields as keywords)")
-        if self.config.backend_name == "ray":
+        if not self.config.chosen_backend.profiles:
             raise ConfigError(
-                "enable_profile(): backend='ray' does not support the profiler yet (its traces are files on the "
-                "actors' machines); use backend='process' to profile"
+                f"enable_profile(): backend={self.config.backend_name!r} does not support the profiler yet (its traces "
+                f"are files on the workers' machines); use backend='process' to profile"
             )
         fields = {f.name for f in dataclasses.fields(ProfileConfig)}
         unknown = [k for k in kwargs if k not in fields]
@@ -360,8 +359,8 @@ class Collector(Service, BlockingMixin):
     def stats(self) -> CollectorStats:
         """Counters and timing so far: frames, batches, frames per second, episodes and their
         mean return, worker restarts, and seconds spent per stage (see :class:`CollectorStats`)."""
-        run = self._run
-        return run.stats.snapshot(run.frames, run.batches, run.server)
+        s = self._run.shared
+        return s.stats.snapshot(s.counts.frames, s.counts.batches, s.server)
 
     # -- seeding and state ------------------------------------------------------------------------
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -376,18 +375,18 @@ class Collector(Service, BlockingMixin):
         Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
         pass torch's limit (``2**64 - 1``).
         """
-        return _resume.set_seed(self._run, seed, static_seed)
+        return _resume.set_seed(self._run.shared, seed, static_seed)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters to resume from: frames and batches delivered, the next trajectory number of
         each env (so trajectory ids stay unique after a resume), and the seeds."""
-        return _resume.state_dict(self._run)
+        return _resume.state_dict(self._run.shared)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume counters from :meth:`state_dict` (before start). ``total_frames`` counts the
         restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
         run does not replay the same episodes."""
-        _resume.load_state_dict(self._run, state)
+        _resume.load_state_dict(self._run.shared, state)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, replay_buffer: Any = None) -> None:
@@ -447,14 +446,14 @@ class Collector(Service, BlockingMixin):
         run = self._run
         if run.state is CollectorState.CREATED:
             await run.start()
-        if run.sink is not None:
+        if run.shared.sink is not None:
             raise AiocollectError(
                 "this collector writes its batches into a replay buffer (start(replay_buffer=...)); "
                 "sample from the buffer instead of collecting"
             )
         batch = await run.collect()
-        if run.sync.watch is not None:
-            run.sync.watch.handed_out()
+        if run.shared.sync.watch is not None:
+            run.shared.sync.watch.handed_out()
         return batch
 
     def pause(self) -> Any:
@@ -466,7 +465,7 @@ class Collector(Service, BlockingMixin):
 
     @property
     def paused(self) -> bool:
-        return self._run.paused > 0
+        return self._run.shared.gate.paused > 0
 
     def __aiter__(self) -> AsyncIterator["TensorDict"]:
         return self
@@ -496,7 +495,7 @@ def _describe(run: Run) -> str:
     c = run.config
     return (
         f"<Collector {c.create_env_fn!r} {run.state.value}: {c.num_workers} workers x "
-        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.frames} frames>"
+        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.shared.counts.frames} frames>"
     )
 
 

@@ -8,7 +8,7 @@ import functools
 import math
 import os
 import warnings
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from .._core.datachecks import ActionBounds
 from .._core.errors import ConfigError, user_stacklevel
@@ -34,6 +34,9 @@ from .._service.options import (
 )
 from .._core.public import public
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .._backends.seat import Backend
+
 _SERVER = "inference", ("server",)
 
 MODE_OPTIONS: tuple[Needs, ...] = (
@@ -53,10 +56,13 @@ MODE_OPTIONS: tuple[Needs, ...] = (
         "local": "with num_workers=0 the envs run in this process; use num_workers>=1, or set this process's CPUs "
                  "yourself (os.sched_setaffinity(0, cpus))",
         "ray": RAY_PLACES_ACTORS,
+        None: "pass backend='process' or drop it",
     }, label="backend"),
-    Needs("step_timeout", None, "backend_name", ("process", "ray"), "declares a worker hung after that long",
-          "with num_workers=0 the envs step in the event loop's own thread, where a hung env cannot be watched or "
-          "killed; use num_workers>=1", label="backend"),
+    Needs("step_timeout", None, "backend_name", ("process", "ray"), "declares a worker hung after that long", {
+        "local": "with num_workers=0 the envs step in the event loop's own thread, where a hung env cannot be watched "
+                 "or killed; use num_workers>=1",
+        None: "its workers are not watched for hangs; use backend='process' or 'ray', or drop it",
+    }, label="backend"),
 )
 """The collector's options that mean something only under another setting: each set without it
 is refused, naming both (checked in this order, once the settings themselves are valid)."""
@@ -78,7 +84,8 @@ class CollectorConfig:
     policy: Any = None
     """``None`` (random actions from the action space), a ``TensorDictModule``, a plain ``nn.Module``
     on the observation tensor, or any callable taking and returning a TensorDict."""
-    frames_per_batch: int = 0
+    _: dataclasses.KW_ONLY  # the rest by keyword only, as Collector() and TorchRL's collectors take them
+    frames_per_batch: int
     """Frames in each delivered batch; a multiple of the number of envs that fill it."""
     total_frames: int = -1
     """Frames to collect in all; ``-1`` collects forever. Not a multiple of ``frames_per_batch``:
@@ -208,11 +215,12 @@ class CollectorConfig:
     storing_device: Any = None
     """Where delivered batches live: ``None``/``"cpu"`` (shared memory, lent or copied), or a CUDA
     device (each batch copied to it once, in a thread, and its slots handed back at once)."""
-    backend: Literal["process", "local", "ray"] | None = None
+    backend: Literal["process", "local", "ray"] | Backend | None = None
     """Where the workers run: ``"process"`` (worker processes forked on this machine; the default
     with ``num_workers>=1``), ``"local"`` (the collector's own process and event loop; the default,
     and the only choice, with ``num_workers=0``), or ``"ray"`` (each worker a Ray actor, on any
-    node of a Ray cluster; needs ``pip install 'aiocollect[ray]'``; see ``docs/ray.md``)."""
+    node of a Ray cluster; needs ``pip install 'aiocollect[ray]'``; see ``docs/ray.md``). A backend
+    object (a fake pool of workers in tests) is used as it is."""
     ray_actor_options: dict | Sequence[dict] | None = None
     """``backend="ray"``: options for each worker's actor (``num_cpus`` (default 1), ``num_gpus``,
     ``resources``, ``memory``, ``scheduling_strategy`` for a placement group or node affinity,
@@ -241,10 +249,19 @@ class CollectorConfig:
 
     @property
     def backend_name(self) -> str:
-        """``backend``, with its default filled in."""
-        if self.backend is not None:
-            return self.backend
-        return "local" if self.num_workers == 0 else "process"
+        """``backend``'s name, with its default filled in."""
+        return self.chosen_backend.name
+
+    @property
+    def chosen_backend(self) -> Backend:
+        """The backend object: the one passed as ``backend``, or aiocollect's of that name (by
+        default ``"local"`` with ``num_workers=0``, else ``"process"``)."""
+        from .._backends.table import backend_named
+
+        backend = self.backend
+        if backend is None:
+            backend = "local" if self.num_workers == 0 else "process"
+        return backend_named(backend) if isinstance(backend, str) else backend
 
     @property
     def stores_on_cuda(self) -> bool:
@@ -322,38 +339,36 @@ class CollectorConfig:
             object.__setattr__(self, "traj_format", "pad")
         check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
         check_choice("server_priority", self.server_priority, ("normal", "idle"))
-        check_choice("backend", self.backend, ("process", "local", "ray", None),
-                     "'process', 'local' or 'ray' (or None: chosen by num_workers)")
 
     def _check_backend(self) -> None:
-        backend = self.backend
-        if backend == "local" and self.num_workers != 0:
-            raise ConfigError(
-                f"backend='local' runs the envs in the collector's own process, but num_workers={self.num_workers}; "
-                f"use num_workers=0 (and envs_per_worker for the number of envs), or another backend"
-            )
-        if backend in ("process", "ray") and self.num_workers == 0:
-            what = "worker processes" if backend == "process" else "Ray actors"
-            raise ConfigError(
-                f"backend={backend!r} runs the envs in {what}, but num_workers=0; use num_workers>=1 "
-                f"(num_workers=0 is the local backend)"
-            )
-        if backend != "ray":
-            return
-        for option, value, default in (("inference", self.inference, "worker"), ("profile", self.profile, None)):
-            if value != default:
-                what = {"inference": "server inference (the workers share memory with the collector's server)",
-                        "profile": "the profiler (its traces are files on the workers' machine)"}[option]
+        """A backend of aiocollect's by name (or None), or a backend object; its own options (a
+        backend ignores another's, which the table of options refuses naming both), the number
+        of workers and what it supports."""
+        from .._backends.table import BACKENDS, backend_choices, backend_object
+
+        if self.backend is None or isinstance(self.backend, str):
+            check_choice("backend", self.backend, (*BACKENDS, None),
+                         f"{backend_choices()} (or None: chosen by num_workers)")
+        else:
+            backend_object(self.backend)
+        backend = self.chosen_backend
+        backend.check_options(self.ray_actor_options, self.num_workers)
+        unsupported = (  # (inference is a checked str by now; profile anything, even an array)
+            ("inference", self.inference != "worker", backend.serves_inference,
+             "server inference (the workers share memory with the collector's server)"),
+            ("profile", self.profile is not None, backend.profiles,
+             "the profiler (its traces are files on the workers' machine)"),
+        )
+        for option, used, supported, what in unsupported:
+            if used and not supported:
+                value = getattr(self, option)
                 raise ConfigError(
-                    f"backend='ray' does not support {what} yet: {option}={value!r}; use backend='process' for it"
+                    f"backend={backend.name!r} does not support {what} yet: {option}={value!r}; "
+                    f"use backend='process' for it"
                 )
 
     def _check_placement(self) -> None:
-        """Where the workers run: Ray's actor options, the worker processes' CPUs."""
-        if self.backend == "ray":
-            from .._backends.ray import check_actor_options
-
-            check_actor_options(self.ray_actor_options, self.workers)
+        """Where the workers run: the worker processes' CPUs."""
         if self.worker_cpus is not None:
             from .._core.affinity import normalize_cpus
 

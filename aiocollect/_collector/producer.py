@@ -29,7 +29,7 @@ from .._service.resource import in_own_thread
 if TYPE_CHECKING:  # pragma: no cover
     from tensordict import TensorDict, TensorDictBase
 
-    from .run import Run
+    from .run_state import RunState
     from .._backends.workers import WorkerHandle
 
 _ENDLESS = 1 << 62
@@ -97,7 +97,7 @@ def frames_in(batch: "TensorDictBase") -> int:
 
 
 class Producer:
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: "RunState") -> None:
         self.run = run
         self.arrivals: deque[WorkerHandle] = deque()  # async delivery: workers with a batch, in order
         self.wakeup = anyio.Event()
@@ -124,7 +124,7 @@ class Producer:
             # ``trajs_per_batch``, where it may deliver none (episodes longer than a round) or
             # several: counting in deliveries alone would stop granting rounds while a delivery
             # still waits for its episodes to end.
-            wanted = max(0, run.requested + c.prefetch - self.produced)
+            wanted = max(0, run.counts.requested + c.prefetch - self.produced)
             target = min(remaining, self.rounds + wanted)
             if c.update_at_each_batch and run.sync.can_pull and any(w.credits_sent < target for w in run.workers):
                 # pulled right before the workers may start the next batch(es)
@@ -146,14 +146,14 @@ class Producer:
     async def _wait(self, cond: Callable[[], bool], remaining: int) -> None:
         run = self.run
         while True:
-            if run.pending_error is None:
+            if run.errors.pending is None:
                 await self._pump(remaining)
             await run.profiling.announce_traces()
             self.wakeup = anyio.Event()
             if cond():
                 return
-            if run.pending_error is not None and not self._deliverable():
-                raise run.pending_error
+            if run.errors.pending is not None and not self._deliverable():
+                raise run.errors.pending
             await self.wakeup.wait()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -170,21 +170,21 @@ class Producer:
         run = self.run
         c = run.config
         total = c.total_batches
-        remaining = _ENDLESS if total is None else total - run.batches
+        remaining = _ENDLESS if total is None else total - run.counts.batches
         workers = run.workers
         sync = c.delivery == "sync"
         trajs = None
         if c.trajs_per_batch is not None:
             from .trajs import TrajectoryAccumulator
 
-            remaining = _ENDLESS if total is None else total - run.collected // c.frames_per_batch
+            remaining = _ENDLESS if total is None else total - run.counts.collected // c.frames_per_batch
             trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
         if c.split_trajs:
             from .split import split_trajectories
-        first_index = run.batches
+        first_index = run.counts.batches
         while self.rounds < remaining:
-            if run.pending_error is not None and not self._deliverable():
-                raise run.pending_error
+            if run.errors.pending is not None and not self._deliverable():
+                raise run.errors.pending
             index = first_index + self.produced
             if c.update_at_each_batch and run.sync.can_pull and not sync:
                 await run.sync.publish({"policy": None}, list(range(c.workers)))
@@ -194,7 +194,7 @@ class Producer:
                 recorder.before(self.rounds - profiling.recorder_from)
             await run.emit(ev.BeforeRollout, index=index)
             t_wait = time.perf_counter()
-            await self._wait(lambda: run.requested + c.prefetch > self.produced, remaining)
+            await self._wait(lambda: run.counts.requested + c.prefetch > self.produced, remaining)
             if sync:
                 await self._wait(lambda: all(w.ready for w in workers), remaining)
                 parts = [(w, w.take()) for w in workers]
@@ -211,10 +211,9 @@ class Producer:
             if sync:
                 self.arrivals.clear()
             self.rounds += 1
-            run.collected += c.frames_per_batch
+            run.counts.collected += c.frames_per_batch
             if self.rounds >= remaining:
-                run.finished = True  # the workers will collect no more: nobody waits for them
-                run.sync.notify()
+                run.finish()  # the workers will collect no more: nobody waits for them
             infos = [(w.index, info) for w, (_, info) in parts]
             if trajs is not None:
                 rows = run.rows_per_worker  # (each sub-env of a vector env is a row)
@@ -256,8 +255,7 @@ class Producer:
             batch = c.postproc(batch)
             if inspect.isawaitable(batch):
                 batch = await batch
-        while run.paused:  # collector.pause(): hold the batch (workers stop by backpressure)
-            await run.resume.wait()
+        await run.gate.wait_open()  # collector.pause(): hold the batch (workers stop by backpressure)
         frames = c.frames_per_batch if c.trajs_per_batch is None else frames_in(batch)
         await run.emit(
             ev.BatchReady, index=index, frames=frames, workers=tuple(w for w, _ in infos),
@@ -272,7 +270,7 @@ class Producer:
         worker's rows of a slot sit side by side, so a sync batch whose parts share a slot index
         (the usual case) is one array per key."""
         run = self.run
-        layout: SlotLayout = run.layout  # type: ignore[assignment]
+        layout: SlotLayout = run.slots.layout  # type: ignore[assignment]
         zero_copy = run.config.zero_copy
         slot = parts[0][1]
         whole = len(parts) == layout.workers and all(w.index == i and s == slot for i, (w, s) in enumerate(parts))
@@ -280,17 +278,17 @@ class Producer:
         if zero_copy == "debug" and (whole or len(parts) == 1):
             import mmap
 
-            mapping = mmap.mmap(run.segment[0], layout.slot_nbytes, offset=slot * layout.slot_nbytes)  # type: ignore[index]
+            mapping = mmap.mmap(run.slots.segment[0], layout.slot_nbytes, offset=slot * layout.slot_nbytes)  # type: ignore[index]
             mappings.append(mapping)
             views = [layout.views(mapping, slot, None if whole else parts[0][0].index, mapped_slot=True)]
         elif whole:
-            views = [run.slot_views[slot]]
+            views = [run.slots.views[slot]]
         else:
             views = [w.slots.np_views[s] for w, s in parts]
         storing = self.storing  # a CUDA storing_device: copied there (from the slot's views), nothing lent
         lent = not zero_copy and storing is None and len(views) == 1 and self.loans.can_lend(parts)
         if lent:
-            array = layout.slot_array(run.segment[1], slot)  # type: ignore[index]
+            array = layout.slot_array(run.slots.segment[1], slot)  # type: ignore[index]
             views = [layout.views(array, slot, None if whole else parts[0][0].index, mapped_slot=True)]
             self.loans.lend(array, parts)
             del array  # (only the loan and the views refer to it)

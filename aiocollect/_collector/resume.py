@@ -1,7 +1,8 @@
 """A collector's seeds and the counters it resumes from: the work behind
 :meth:`Collector.set_seed <aiocollect.Collector.set_seed>`,
 :meth:`~aiocollect.Collector.state_dict` and :meth:`~aiocollect.Collector.load_state_dict`
-(which document it), on the collector's :class:`~aiocollect._collector.run.Run`."""
+(which document it), on the state of the collector's run
+(:class:`~aiocollect._collector.run_state.RunState`)."""
 
 from __future__ import annotations
 
@@ -9,41 +10,41 @@ from typing import Any, Mapping
 
 from .._core.errors import AiocollectError, ConfigError
 from .._core.limits import check_seed
-from .run import CollectorState, Run
+from .run_state import Phase, RunState
 
 
-def require_created(run: Run, what: str) -> None:
-    if run.state is not CollectorState.CREATED:
+def require_created(run: RunState, what: str) -> None:
+    if run.phase is not Phase.CREATED:
         raise AiocollectError(
-            f"{what} must be called before the collector starts (it is {run.state.value}); call it "
+            f"{what} must be called before the collector starts (it is {run.public_state.value}); call it "
             f"right after constructing the collector, before `async with` / start()"
         )
 
 
-def set_seed(run: Run, seed: int, static_seed: bool) -> int:
+def set_seed(run: RunState, seed: int, static_seed: bool) -> int:
     require_created(run, "set_seed()")
     check_seed(seed, offset=run.config.seed_offset, optional=False)
     if not isinstance(static_seed, bool):
         raise ConfigError(f"static_seed={static_seed!r} must be True or False")
-    run.seed, run.static_seed = seed, bool(static_seed)
+    run.seeding.seed, run.seeding.static_seed = seed, bool(static_seed)
     return seed if static_seed else seed + run.total_rows
 
 
-def state_dict(run: Run) -> dict[str, Any]:
-    counters = run.counters or run.start_counters or [0] * run.total_rows
-    seed = run.seed
+def state_dict(run: RunState) -> dict[str, Any]:
+    counts, seed, static_seed = run.counts, run.seeding.seed, run.seeding.static_seed
+    counters = counts.traj_counters or counts.start_counters or [0] * run.total_rows
     return {
-        "frames": run.frames,
-        "batches": run.batches,
-        "collected_frames": run.collected,
-        "traj_counters": [k + 1 for k in counters] if run.counters else list(counters),
+        "frames": counts.frames,
+        "batches": counts.batches,
+        "collected_frames": counts.collected,
+        "traj_counters": [k + 1 for k in counters] if counts.traj_counters else list(counters),
         "seed": seed,
-        "static_seed": run.static_seed,
-        "next_seed": None if seed is None else (seed if run.static_seed else seed + run.total_rows),
+        "static_seed": static_seed,
+        "next_seed": None if seed is None else (seed if static_seed else seed + run.total_rows),
     }
 
 
-def load_state_dict(run: Run, state: Any) -> None:
+def load_state_dict(run: RunState, state: Any) -> None:
     require_created(run, "load_state_dict()")
     config = run.config
     fix = "pass what collector.state_dict() returned"
@@ -76,10 +77,10 @@ def load_state_dict(run: Run, state: Any) -> None:
     total = config.total_frames
     if total != -1 and frames > total:
         raise ConfigError(f"state has {frames} frames, more than total_frames={total}")
-    run.frames, run.batches = frames, batches
-    run.collected = collected
-    run.start_counters = counters
-    run.seed, run.static_seed = state.get("next_seed"), state.get("static_seed", False)
+    run.counts.frames, run.counts.batches = frames, batches
+    run.counts.collected = collected
+    run.counts.start_counters = counters
+    run.seeding.seed, run.seeding.static_seed = state.get("next_seed"), state.get("static_seed", False)
 
 
 __all__ = ["load_state_dict", "require_created", "set_seed", "state_dict"]

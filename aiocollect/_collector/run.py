@@ -1,31 +1,29 @@
-"""A collector's run: everything that lives while its workers do.
+"""A collector's run: its lifecycle (start, its tasks, stop, close).
 
-:class:`Run` owns the run state (the worker pool, credits, the batch stream, the pending error,
-weights, profiling, counters) and the tasks that drive it: one per worker seat (reading its
+:class:`Run` starts the workers and the tasks that drive them: one per worker seat (reading its
 reports, replacing it after a failure), the producer (:mod:`aiocollect._collector.producer`), the
-watchdog for hung workers and the drain into a replay buffer. Those tasks reference the run,
-never the user's :class:`~aiocollect.Collector`: a collector that its user forgets can be
-garbage-collected, and its finalizer then stops the run.
+watchdog for hung workers and the drain into a replay buffer; then stops and closes it all. What
+those parts share (the worker pool, credits, the batch stream, the pending error, weights,
+profiling, counters, the phase) is a :class:`~aiocollect._collector.run_state.RunState`, which
+they receive instead of the ``Run``. Those tasks reference the run, never the user's
+:class:`~aiocollect.Collector`: a collector that its user forgets can be garbage-collected, and
+its finalizer then stops the run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import inspect
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Mapping
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 
 from .. import events as ev
-from .._service.bus import EventBus
-from .config import CollectorConfig
+from .._backends.seat import Backend
+from .._backends.table import backend_named
 from .._core.errors import (
     AiocollectError,
     BrokenWorkerError,
@@ -33,119 +31,51 @@ from .._core.errors import (
     ConfigError,
     EndOfCollection,
 )
-from .._core.layout import SlotLayout
-from .producer import Lease, Producer
-from .._core.profiling import ProfileConfig, RunProfiling
-from .._service.resource import loop_token, unwrap_group, wait_shielded
-from .._worker.rollout import RolloutConfig
-from .stats import Stats
-from .startup import import_in_thread, launch_workers, stop_workers
-from .._service.supervisor import RestartBudget, supervise, watchdog
-from .._service.systask import spawn_system_task
-from .weightsync import WeightSync, check_worker_ids
-from .._backends.seat import Backend
-from .._backends.table import backend_named
-from .._backends.workers import WorkerHandle
+from .._core.profiling import ProfileConfig
 from .._core.wire import BatchInfo
-from .._core.public import public
+from .._service.bus import EventBus
+from .._service.resource import loop_token, unwrap_group, wait_shielded
+from .._service.supervisor import supervise, watchdog
+from .._service.systask import spawn_system_task
+from .config import CollectorConfig
+from .producer import Lease, Producer
+from .run_state import CollectorState, Phase, RunState, State
+from .startup import import_in_thread, launch_workers, stop_workers
+from .weightsync import check_worker_ids
 
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see Run._run)
     from tensordict import TensorDict
 
 
-@public
-class CollectorState(enum.Enum):
-    """Lifecycle of a :class:`~aiocollect.Collector`."""
-
-    CREATED = "created"
-    """Constructed; no worker yet."""
-    STARTING = "starting"
-    """Workers are being started."""
-    RUNNING = "running"
-    """Collecting."""
-    STOPPED = "stopped"
-    """Workers are gone (``total_frames`` reached, or a failure); batches already collected can
-    still be received."""
-    CLOSED = "closed"
-    """Closed: every process and shared-memory segment is released. Cannot be reopened."""
-
-
-State = CollectorState  # the name it had first, still exported
-
-
 class Run:
-    """The state and tasks of one collector (see the module docstring)."""
+    """The lifecycle of one collector's run (see the module docstring); what its parts share is
+    :attr:`shared` (a :class:`~aiocollect._collector.run_state.RunState`)."""
 
     def __init__(self, config: CollectorConfig, backend: Backend | None = None) -> None:
-        c = self.config = config
         # where the workers run: the backend named by the config, or the object passed in
-        self.backend: Backend = backend if backend is not None else backend_named(c.backend_name)
-        self.bus = EventBus()
-        self.stats = Stats()
-        self.state = State.CREATED
-        # counters of what the consumers received (state_dict, progress)
-        self.frames = 0
-        self.batches = 0
-        self.counters: list[int] | None = None
-        self.start_counters: list[int] | None = None
-        self.collected = 0  # frames collected by the workers (total_frames counts these)
-        self.seed: int | None = c.seed
-        self.static_seed = False
-        self.profiling = RunProfiling(self, c.profile)
-        # (stores in process memory for the local backend, and for Ray, which ships each version)
-        self.sync = WeightSync(c.policy, self.backend.weights_in_parent, self.emit)
-        # the run
-        self.closing = False
-        self.ended = False  # the consumer saw the end of the stream
-        self.finished = False  # every batch was collected (the workers will collect no more)
-        self.loop_gone = False  # the event loop that ran it ended under it
-        self.abandoned = False  # its Collector was garbage-collected
-        self.launch_failed = False
-        self.error: BaseException | None = None
-        self.error_seen = False
-        self.pending_error: BaseException | None = None  # a worker failed: raised after its batches
-        self.server: Any = None  # inference="server": the run's InferenceServer
-        self.requested = 0
-        self.workers: list[WorkerHandle] = []
-        self.workers_ready = False
-        self.configs: list[RolloutConfig] = []
-        self.layout: SlotLayout | None = None
-        self.segment: tuple[int, Any] | None = None  # the slots' memfd and the collector's mapping of it
-        self.slot_views: list[dict] = []  # per slot: every worker's rows, as numpy views
-        self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
-        self.sub_envs = 1  # of each env: a vector env's num_envs (learned from the workers' specs)
-        self.bar: Any = None
-        self.sink: Any = None
-        self.paused = 0
-        self.resume = anyio.Event()
-        self.resume.set()
-        self.writing: anyio.Event | None = None  # set when a write into the sink ends
-        self.budget = RestartBudget(c.max_restarts, c.restart_window)
+        self.shared = RunState(config, backend if backend is not None else backend_named(config.backend_name))
         self.task: Any = None
         self.loop: Any = None
-        self.producer: Producer | None = None
         self.launching: anyio.CancelScope | None = None  # while the workers start
+        self.recv: Any = None  # the consumer's side of the batch stream
+        self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
+        # causes that outlive the phases they ended
+        self.loop_gone = False  # the event loop that ran it ended under it
+        self.abandoned = False  # its Collector was garbage-collected
 
     @property
-    def rows_per_worker(self) -> int:
-        """Env rows of each worker's batch (its sub-envs, for vector envs)."""
-        return self.config.envs_per_worker * self.sub_envs
+    def config(self) -> CollectorConfig:
+        return self.shared.config
 
     @property
-    def total_rows(self) -> int:
-        """Env rows of all workers (the number of envs, counting each sub-env of a vector env)."""
-        return self.config.total_envs * self.sub_envs
+    def bus(self) -> EventBus:
+        return self.shared.bus
 
-    # -- events ---------------------------------------------------------------------------------
-    async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
-        """Build and emit an event, only if someone listens (events cost nothing otherwise)."""
-        if self.bus.listens_to(event_type):
-            await self.bus.emit(event_type(**fields))
-
-    def wake(self, worker: WorkerHandle | None = None) -> None:
-        if self.producer is not None:
-            self.producer.wake(worker)
+    @property
+    def state(self) -> CollectorState:
+        """What ``collector.state`` reports."""
+        return self.shared.phase.public
 
     # -- lifecycle ------------------------------------------------------------------------------
     def check_loop(self) -> None:
@@ -165,55 +95,75 @@ class Run:
         )
 
     async def start(self, sink: Any = None) -> None:
-        if self.state is State.CLOSED:
+        s = self.shared
+        if s.phase is Phase.CLOSED:
             raise CollectorClosedError("this collector is closed and cannot be reopened; create a new Collector")
         self.check_loop()
         if sink is not None:
-            if self.state is not State.CREATED:
+            if s.phase is not Phase.CREATED:
                 raise AiocollectError("start(replay_buffer=...) must be the first start of the collector")
             if not callable(getattr(sink, "extend", None)):
                 raise ConfigError(f"replay_buffer={sink!r} has no extend(batch) method; pass a ReplayBuffer or a TorchRL buffer")
-            self.sink = sink
-        if self.state is State.CREATED:
-            self.state = State.STARTING
-            self.loop = loop_token()
-            if self.config.zero_copy == "debug":
-                import faulthandler
-
-                if not faulthandler.is_enabled():  # a read of a handed-back batch prints its traceback
-                    faulthandler.enable()
-            size = max(self.config.prefetch, 1)
-            self.send, self.recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int, "Lease | None"]](size)
-            self.started = anyio.Event()
-            self.done = anyio.Event()
-            self.stop = anyio.Event()
-            self.producer = Producer(self)
-            self.task = spawn_system_task(self._run)
+            s.sink = sink
+        if s.phase is Phase.CREATED:
+            self._begin()
         await self.started.wait()
-        if self.state is State.STOPPED and self.launch_failed:
+        if s.phase is Phase.LAUNCH_FAILED:
             # nothing was started that could be used: the collector is closed, its error raised once
             try:
                 await wait_shielded(self.done)
             finally:
                 self.close_stream()
-                self.state = State.CLOSED
-            if not self.error_seen and self.error is not None:
-                self.error_seen = True
-                raise self.error
+                s.move_to(Phase.CLOSED)
+            if not s.errors.seen and s.errors.error is not None:
+                s.errors.seen = True
+                raise s.errors.error
+
+    def _begin(self) -> None:
+        """The first start: the stream, the producer and the run's own task."""
+        s = self.shared
+        s.move_to(Phase.STARTING)
+        self.loop = loop_token()
+        if s.config.zero_copy == "debug":
+            import faulthandler
+
+            if not faulthandler.is_enabled():  # a read of a handed-back batch prints its traceback
+                faulthandler.enable()
+        size = max(s.config.prefetch, 1)
+        s.send, self.recv = anyio.create_memory_object_stream[tuple["TensorDict", list, int, "Lease | None"]](size)
+        self.started = anyio.Event()
+        self.done = anyio.Event()
+        s.stop = anyio.Event()
+        s.producer = Producer(s)
+        self.task = spawn_system_task(self._run)
+
+    def close_unstarted(self) -> bool:
+        """Close a collector that never started (nothing to stop); False if it did start."""
+        if self.shared.phase is Phase.CREATED:
+            self.shared.move_to(Phase.CLOSED)
+        return self.shared.phase is Phase.CLOSED
+
+    def request_close(self) -> None:
+        """Ask the run to stop because its user closes it (or forgot it): enter the closing phase."""
+        s = self.shared
+        if s.phase is Phase.STARTING:
+            s.move_to(Phase.CANCELLING_START)
+        elif s.phase in (Phase.RUNNING, Phase.FINISHED):
+            s.move_to(Phase.CLOSING)
+        elif s.phase in (Phase.COMPLETED, Phase.STOPPED, Phase.ENDED):
+            s.move_to(Phase.STOPPED_CLOSING)
 
     async def aclose(self) -> None:
-        if self.state is State.CLOSED:
-            return
-        if self.state is State.CREATED:
-            self.state = State.CLOSED
+        s = self.shared
+        if self.close_unstarted():
             return
         if self.loop_gone and self.done.is_set():  # its loop ended (and stopped the workers)
             self.close_stream()
-            self.state = State.CLOSED
+            s.move_to(Phase.CLOSED)
             return
         self.check_loop()
-        self.closing = True
-        self.stop.set()
+        self.request_close()
+        s.stop.set()
         if self.launching is not None:
             # a start-up in progress may never end (an env factory waiting for a licence server,
             # Ray actors for resources the cluster lacks): end it. Workers still starting get
@@ -227,10 +177,11 @@ class Run:
                 self.lease.protect()  # (the workers are gone: nothing to hand back)
                 self.lease = None
             self.close_stream()
-            self.state = State.CLOSED
-        if self.error is not None and not self.error_seen:
-            self.error_seen = True
-            raise self.error
+            if s.phase is not Phase.CLOSED:
+                s.move_to(Phase.CLOSED)
+        if s.errors.error is not None and not s.errors.seen:
+            s.errors.seen = True
+            raise s.errors.error
 
     def abandon(self) -> None:
         """The collector was garbage-collected while running: stop the run from wherever we are
@@ -241,23 +192,23 @@ class Run:
             if self.task is not None:
                 self.close_stream()
             return
-        self.closing = True
-        loop = self.loop
+        loop, stop = self.loop, self.shared.stop
         try:
+            self.request_close()
             if isinstance(loop, asyncio.AbstractEventLoop):
                 if loop.is_closed() or not loop.is_running():
                     raise RuntimeError("the loop is gone")
                 if loop_token() is loop:
-                    self.stop.set()
+                    stop.set()
                 else:
-                    loop.call_soon_threadsafe(self.stop.set)
+                    loop.call_soon_threadsafe(stop.set)
             else:  # trio
-                loop.run_sync_soon(self.stop.set)
+                loop.run_sync_soon(stop.set)
         except Exception:  # noqa: BLE001 - no loop to stop it in: kill the workers now
             self.kill_now()
 
     def kill_now(self) -> None:
-        for w in self.workers:
+        for w in self.shared.workers:
             try:
                 w.stop_nowait()
             except Exception:  # noqa: BLE001 - best effort: the process is going away
@@ -265,27 +216,29 @@ class Run:
 
     # -- consuming ------------------------------------------------------------------------------
     async def collect(self, *, drain: bool = False) -> "TensorDict":
-        if self.state is State.CLOSED:
+        s = self.shared
+        if s.phase is Phase.CLOSED:
             raise CollectorClosedError("this collector is closed; create a new Collector")
         self.check_loop()
-        if self.ended:
+        if s.phase is Phase.ENDED:
             self.raise_end()
         if self.lease is not None:  # zero_copy: the consumer is done with the batch it has
             await self.release_lease()
-        self.requested += 1
-        self.wake()
+        s.counts.requested += 1
+        s.wake()
         try:
             batch, parts, frames, self.lease = await self.recv.receive()
         except anyio.EndOfStream:
             if not drain:  # (the drain into a replay buffer is what the runner itself waits for)
                 await self.done.wait()  # the workers are gone before the end is reported
-            if self.closing or self.state is State.CLOSED:
-                if self.error is None:
+            if s.phase.closing:
+                if s.errors.error is None:
                     raise CollectorClosedError("this collector was closed while waiting for a batch") from None
             elif not drain:
                 # the end was seen: nothing is left to release (a consumer that never calls
                 # aclose(), as in `async for b in Collector(...)`, leaves nothing open)
-                self.ended = True
+                if s.phase in (Phase.COMPLETED, Phase.STOPPED):
+                    s.move_to(Phase.ENDED)
                 self.recv.close()
             self.raise_end()
         except anyio.ClosedResourceError:
@@ -315,52 +268,43 @@ class Run:
         self.recv.close()
 
     def raise_end(self) -> None:
-        if self.error is not None:
-            self.error_seen = True
-            raise self.error from self.error.__cause__
+        errors = self.shared.errors
+        if errors.error is not None:
+            errors.seen = True
+            raise errors.error from errors.error.__cause__
         if self.loop_gone:
             self.check_loop()
         raise EndOfCollection(f"all {self.config.total_frames} frames (total_frames) have been collected")
 
     def delivered(self, parts: "list[tuple[int, BatchInfo]]", frames: int) -> None:
         """Account for a batch the consumer received (counters, state_dict, progress)."""
-        if self.counters is None:
-            self.counters = list(self.start_counters or [0] * self.total_rows)
-        rows = self.rows_per_worker
+        s = self.shared
+        counts = s.counts
+        if counts.traj_counters is None:
+            counts.traj_counters = list(counts.start_counters or [0] * s.total_rows)
+        rows = s.rows_per_worker
         for index, info in parts:
-            self.counters[index * rows : (index + 1) * rows] = info.traj_counters
-        self.frames += frames
-        self.batches += 1
-        if self.bar is not None:
-            self.bar.update_to(self.frames, self.stats.mean_return)
+            counts.traj_counters[index * rows : (index + 1) * rows] = info.traj_counters
+        counts.frames += frames
+        counts.batches += 1
+        if s.bar is not None:
+            s.bar.update_to(counts.frames, s.stats.mean_return)
 
-    @contextlib.asynccontextmanager
-    async def pause(self) -> AsyncIterator[None]:
-        self.paused += 1
-        if self.paused == 1:
-            self.resume = anyio.Event()
-        try:
-            if self.writing is not None:
-                await self.writing.wait()  # a write in progress finishes first
-            yield
-        finally:
-            self.paused -= 1
-            if self.paused == 0:
-                self.resume.set()
-                self.wake()
+    def pause(self) -> AsyncContextManager[None]:
+        return self.shared.gate.hold()
 
     async def _drain_into_sink(self) -> None:
         """Background collection: every batch goes into the replay buffer."""
-        sink = self.sink
+        s = self.shared
+        sink, gate = s.sink, s.gate
         while True:
             try:
                 batch = await self.collect(drain=True)
             except Exception:  # noqa: BLE001 - the end, or the run's stored error (aclose raises it)
-                self.producer.drained.set()  # type: ignore[union-attr]
+                s.producer.drained.set()  # type: ignore[union-attr]
                 return
-            while self.paused:
-                await self.resume.wait()
-            self.writing = anyio.Event()
+            await gate.wait_open()
+            gate.writing = anyio.Event()
             try:
                 result = sink.extend(batch)
                 if inspect.isawaitable(result):
@@ -370,36 +314,37 @@ class Run:
                 traceback.clear_frames(exc.__traceback__)
                 raise
             finally:
-                self.writing.set()
-                self.writing = None
+                gate.writing.set()
+                gate.writing = None
                 del batch
 
     # -- weights --------------------------------------------------------------------------------
     async def update_weights(self, updates: Mapping[str, Any], worker_ids: Any, wait: bool) -> int:
-        sync = self.sync
+        s = self.shared
+        sync = s.sync
         sync.check_model_ids(updates)
         if self.state in (State.CREATED, State.STARTING):
             await self.start()  # (a start cancelled earlier may still be under way: wait for it)
         self.check_loop()
-        if self.state is State.CLOSED or self.closing:
+        if s.phase.closing:
             raise CollectorClosedError(f"update_weights() on a collector that is {self.state.value}; create a new Collector")
         if self.state is State.STOPPED:
-            if self.error is not None:
+            if s.errors.error is not None:
                 raise CollectorClosedError(
-                    f"update_weights(): the collector stopped because a worker failed ({type(self.error).__name__}); "
+                    f"update_weights(): the collector stopped because a worker failed ({type(s.errors.error).__name__}); "
                     f"no worker is left to update"
-                ) from self.error
+                ) from s.errors.error
             # total_frames reached: nothing will collect again, so nothing is waited for
             self._targets(worker_ids)
             return sync.bump()
         targets = self._targets(worker_ids)
-        if self.server is not None:
+        if s.server is not None:
             return await self._update_server(updates, targets)
         version = await sync.publish(updates, targets)
         if wait and not await sync.wait_applied(version, targets, self.collecting):
-            if self.error is not None:
-                raise self.error
-            if self.state is State.RUNNING or self.finished:
+            if s.errors.error is not None:
+                raise s.errors.error
+            if s.phase in (Phase.RUNNING, Phase.FINISHED, Phase.COMPLETED, Phase.ENDED):
                 return version  # total_frames reached meanwhile: the rest will not collect again
             raise CollectorClosedError(f"the collector was closed before the workers applied version {version}")
         return version
@@ -413,113 +358,142 @@ class Run:
                     "workers (worker_ids); leave worker_ids=None"
                 )
             return targets
-        return self.sync.targets(worker_ids, self.config.workers)
+        return self.shared.sync.targets(worker_ids, self.config.workers)
 
     async def _update_server(self, updates: Mapping[str, Any], targets: list[int]) -> int:
         """Server inference: the new weights are the server's at once (one policy for all)."""
-        sync = self.sync
+        s = self.shared
+        sync = s.sync
         t0 = time.perf_counter()
-        version = self.server.update(updates)
+        version = s.server.update(updates)
         sync.version = version
         ids = tuple(updates)
-        await self.emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+        await s.emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
         for w in targets:
             sync.acked[w] = version
-            await self.emit(ev.WeightsApplied, version=version, worker=w, latency=time.perf_counter() - t0)
+            await s.emit(ev.WeightsApplied, version=version, worker=w, latency=time.perf_counter() - t0)
         sync.notify()
         return version
 
     def collecting(self) -> bool:
         """The workers may still collect frames (so an update is worth waiting for)."""
-        return self.state is State.RUNNING and not self.finished and not self.closing
+        return self.shared.collecting
 
     # -- profiling ------------------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig) -> None:
+        s = self.shared
         if self.state in (State.STOPPED, State.CLOSED):
-            self.profiling.check(config)
+            s.profiling.check(config)
             raise CollectorClosedError(f"enable_profile() on a collector that is {self.state.value}")
-        self.profiling.enable(config, self.workers_ready)
+        s.profiling.enable(config, s.workers_ready)
 
     def disable_profile(self) -> None:
-        self.profiling.disable()
+        self.shared.profiling.disable()
 
     # -- the run's own task ---------------------------------------------------------------------
     async def _run(self) -> None:
+        s = self.shared
         cancelled = anyio.get_cancelled_exc_class()
+        launch_failed = False
         try:
             try:
                 async with anyio.create_task_group() as tg:
                     t_launch = time.perf_counter()
-                    with anyio.CancelScope() as self.launching:  # (aclose() cancels a start-up in progress)
-                        if self.closing:  # closed before this task ran: nothing to start
-                            self.launching.cancel()
-                        async with anyio.create_task_group() as starting:
-                            if "tensordict" not in sys.modules:
-                                starting.start_soon(import_in_thread, "tensordict", self.config.shutdown_timeout)
-                            await launch_workers(self)
-                    self.launching = None
-                    if not self.closing:  # (else closed while starting: nothing more to start)
-                        self.stats.start()
-                        for w in self.workers:
-                            await self.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
-                        await self.emit(
-                            ev.CollectorStarted,
-                            num_workers=self.config.num_workers,
-                            envs_per_worker=self.config.envs_per_worker,
-                            pids=tuple(w.pid for w in self.workers if w.pid is not None),
-                            startup_seconds=time.perf_counter() - t_launch,
-                        )
-                        self.state = State.RUNNING
-                        self.started.set()
-                        for w in self.workers:
-                            tg.start_soon(supervise, self, w)
-                        tg.start_soon(self.producer.produce)  # type: ignore[union-attr]
-                        if self.sink is not None:
-                            tg.start_soon(self._drain_into_sink)
-                        if self.config.step_timeout is not None:
-                            tg.start_soon(watchdog, self, self.config.step_timeout)
-                        if self.server is not None:
-                            tg.start_soon(self.server.watch)
-                        await self.stop.wait()
+                    await self._launch()
+                    if not s.phase.closing:  # (else closed while starting: nothing more to start)
+                        await self._announce_start(time.perf_counter() - t_launch)
+                        self._start_tasks(tg)
+                        await s.stop.wait()
                     tg.cancel_scope.cancel()
             except cancelled:
-                if not self.closing:  # the loop is shutting down under us (asyncio.run's end)
+                if not s.phase.closing:  # the loop is shutting down under us (asyncio.run's end)
                     self.loop_gone = True
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to the consumer
-                self.error = unwrap_group(exc)
-                self.launch_failed = not self.started.is_set()
+                s.errors.error = unwrap_group(exc)
+                launch_failed = not self.started.is_set()
             finally:
-                await stop_workers(self)
-            reason = "error" if self.error is not None else ("closed" if self.closing else "total_frames")
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.emit(ev.CollectorStopped, reason=reason, frames=self.frames,
-                                    batches=self.batches, error=self.error)
-                except Exception as exc:  # noqa: BLE001 - a handler's error still surfaces
-                    if self.error is None:
-                        self.error = exc
+                await stop_workers(s)
+            await self._announce_stop()
         finally:
-            self.profiling.abort_collector()
-            self.bus.close()
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-            self.send.close()
-            if self.abandoned:  # no consumer is left to receive anything
-                self.close_stream()
-            if self.state is not State.CLOSED:
-                self.state = State.STOPPED
-            self.sync.notify()
-            self.started.set()
-            self.done.set()
+            self._end(launch_failed)
 
-    def worker_failed(self, error: BaseException) -> None:
-        """A worker raised or died for good: batches it completed before are still delivered
-        (the producer drains them), then the error ends the run."""
-        if self.pending_error is None:
-            self.pending_error = error
-        self.wake()
+    async def _launch(self) -> None:
+        s = self.shared
+        with anyio.CancelScope() as self.launching:  # (aclose() cancels a start-up in progress)
+            if s.phase.closing:  # closed before this task ran: nothing to start
+                self.launching.cancel()
+            async with anyio.create_task_group() as starting:
+                if "tensordict" not in sys.modules:
+                    starting.start_soon(import_in_thread, "tensordict", s.config.shutdown_timeout)
+                await launch_workers(s)
+        self.launching = None
+
+    async def _announce_start(self, startup_seconds: float) -> None:
+        s = self.shared
+        s.stats.start()
+        for w in s.workers:
+            await s.emit(ev.WorkerStarted, worker=w.index, pid=w.pid)
+        await s.emit(
+            ev.CollectorStarted,
+            num_workers=s.config.num_workers,
+            envs_per_worker=s.config.envs_per_worker,
+            pids=tuple(w.pid for w in s.workers if w.pid is not None),
+            startup_seconds=startup_seconds,
+        )
+
+    def _start_tasks(self, tg: Any) -> None:
+        """Running: a supervisor per worker seat, the producer, and what the config asks for."""
+        s = self.shared
+        if s.phase.closing:  # (closed by a handler of CollectorStarted)
+            return
+        s.move_to(Phase.RUNNING)
+        self.started.set()
+        for w in s.workers:
+            tg.start_soon(supervise, s, w)
+        tg.start_soon(s.producer.produce)  # type: ignore[union-attr]
+        if s.sink is not None:
+            tg.start_soon(self._drain_into_sink)
+        if s.config.step_timeout is not None:
+            tg.start_soon(watchdog, s, s.config.step_timeout)
+        if s.server is not None:
+            tg.start_soon(s.server.watch)
+
+    async def _announce_stop(self) -> None:
+        s = self.shared
+        reason = "error" if s.errors.error is not None else ("closed" if s.phase.closing else "total_frames")
+        with anyio.CancelScope(shield=True):
+            try:
+                await s.emit(ev.CollectorStopped, reason=reason, frames=s.counts.frames,
+                             batches=s.counts.batches, error=s.errors.error)
+            except Exception as exc:  # noqa: BLE001 - a handler's error still surfaces
+                if s.errors.error is None:
+                    s.errors.error = exc
+
+    def _end(self, launch_failed: bool) -> None:
+        """The workers are gone: close what the run had open and enter the stopped phase."""
+        s = self.shared
+        s.profiling.abort_collector()
+        s.bus.close()
+        if s.bar is not None:
+            s.bar.close()
+            s.bar = None
+        s.send.close()
+        if self.abandoned:  # no consumer is left to receive anything
+            self.close_stream()
+        if s.phase is not Phase.CLOSED:
+            s.move_to(_STOPPED_FROM.get(s.phase, Phase.STOPPED) if not launch_failed else Phase.LAUNCH_FAILED)
+        s.sync.notify()
+        self.started.set()
+        self.done.set()
+
+
+# the phase a run whose workers are gone enters, by the phase it was in (else STOPPED)
+_STOPPED_FROM = {
+    Phase.FINISHED: Phase.COMPLETED,
+    Phase.CLOSING: Phase.STOPPED_CLOSING,
+    Phase.CANCELLING_START: Phase.STOPPED_CLOSING,
+}
 
 
 __all__ = ["CollectorState", "Run", "State"]

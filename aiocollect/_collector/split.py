@@ -56,7 +56,7 @@ def split_trajectories(td: TensorDictBase) -> TensorDict:
         ConfigTypeError: (a ``ConfigError`` and a ``TypeError``) the input holds per-frame
             non-tensor data (a ``NonTensorStack``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from tensordict import TensorDict
         >>> batch = TensorDict(

@@ -1,7 +1,8 @@
 """Starting and stopping one run's worker pool: the policy as the workers get it, their rollout
 configs, the workers (started by the run's backend: :class:`~aiocollect._backends.seat.Backend`),
-the slots' shared memory and the weight store; and taking it all down again. The run itself (:class:`~aiocollect._collector.run.Run`) calls
-these from its task."""
+the slots' shared memory and the weight store; and taking it all down again. The run's lifecycle
+(:class:`~aiocollect._collector.run.Run`) calls these from its task, on the state the run's parts
+share (:class:`~aiocollect._collector.run_state.RunState`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .._worker.vector import learn_sub_envs
 from .._backends.seat import Launch, Sharing
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .run_state import RunState
 
 
 async def import_in_thread(module: str, give_up_after: float | None = None) -> None:
@@ -34,19 +35,19 @@ async def import_in_thread(module: str, give_up_after: float | None = None) -> N
     await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}", give_up_after=give_up_after)
 
 
-def _free_unlent_slots(run: "Run") -> None:
+def _free_unlent_slots(run: "RunState") -> None:
     """The workers are gone, and batches lent to the consumer keep the slots' segment mapped for
     as long as it keeps them: free the memory of every other slot, and of the heartbeats, now."""
-    layout = run.layout
+    layout = run.slots.layout
     lent = {slot for loan in run.producer.loans.out for _, slot in loan.parts}  # type: ignore[union-attr]
-    mapping = run.segment[1]  # type: ignore[index]
+    mapping = run.slots.segment[1]  # type: ignore[index]
     for slot in range(layout.num_slots):  # type: ignore[union-attr]
         if slot not in lent:
             _shm.discard(mapping, slot * layout.slot_nbytes, layout.slot_nbytes)  # type: ignore[union-attr]
     _shm.discard(mapping, layout.nbytes, len(mapping) - layout.nbytes)  # type: ignore[union-attr]
 
 
-async def stop_workers(run: "Run") -> None:
+async def stop_workers(run: "RunState") -> None:
     """Stop every worker (killed after shutdown_timeout), release the slots' segment and the
     weight stores; also when the event loop is going away (nothing awaited then)."""
     workers = run.workers
@@ -66,18 +67,19 @@ async def stop_workers(run: "Run") -> None:
             run.stats.server = run.stats.server_totals(run.server)
             run.server.stop()
             run.server = None
-        if run.segment is not None:  # (the mapping stays while batch views use it)
+        slots = run.slots
+        if slots.segment is not None:  # (the mapping stays while batch views use it)
             if run.producer is not None and run.producer.loans.out:
                 _free_unlent_slots(run)
-            os.close(run.segment[0])
-            run.segment = None
-        run.slot_views = []
+            os.close(slots.segment[0])
+            slots.segment = None
+        slots.views = []
         if run.producer is not None:
             run.producer.pool.clear()
             run.producer.loans.clear()  # (a lent batch the consumer keeps keeps its mapping itself)
 
 
-async def launch_workers(run: "Run") -> None:
+async def launch_workers(run: "RunState") -> None:
     """Start the workers (in-process for ``num_workers=0``), learn their batch leaves, lay out
     and share the slots and the weight store; the run is then ready to grant credits."""
     c = run.config
@@ -86,7 +88,8 @@ async def launch_workers(run: "Run") -> None:
     launch = Launch(run.configs, needs, c.shutdown_timeout, c.ray_actor_options, c.policy, c.factory_for(0))
     workers, specs = await run.backend.start(launch)
     run.workers = list(workers)
-    run.sub_envs = learn_sub_envs(specs, c, run.start_counters, run.seed)
+    slots = run.slots
+    slots.sub_envs = learn_sub_envs(specs, c, run.counts.start_counters, run.seeding.seed)
     batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
     for i, s in enumerate(batch_specs[1:], 1):
         if s != batch_specs[0]:
@@ -98,14 +101,14 @@ async def launch_workers(run: "Run") -> None:
     if c.inference == "server":
         extras = await start_server(run, specs[0])
     leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras, step_count=c.max_frames_per_traj is not None)
-    T = c.frames_per_batch // (c.envs_per_batch * run.sub_envs)
-    run.layout = SlotLayout.build(leaves, run.rows_per_worker, T, c.num_slots, len(run.workers))
+    slots.layout = SlotLayout.build(leaves, run.rows_per_worker, c.frames_per_row(slots.sub_envs), c.num_slots,
+                                    len(run.workers))
     # the real bytes per frame are known now: refuse a run whose slots cannot fit, before any is filled
-    c.check_slot_memory(run.layout, len(run.workers) * _heartbeat.NBYTES)
+    c.check_slot_memory(slots.layout, len(run.workers) * _heartbeat.NBYTES)
     store_fds = run.sync.setup([s.get("weights") for s in specs], run.workers)
-    sharing = Sharing(run.layout, run.sync.store, store_fds, c.step_timeout is not None)
-    run.segment = await run.backend.share_slots(run.workers, sharing)
-    run.slot_views = whole_slots(run.layout, run.segment[1])
+    sharing = Sharing(slots.layout, run.sync.store, store_fds, c.step_timeout is not None)
+    slots.segment = await run.backend.share_slots(run.workers, sharing)
+    slots.views = whole_slots(slots.layout, slots.segment[1])
     if run.server is not None:
         run.server.start()
     run.workers_ready = True
@@ -113,10 +116,10 @@ async def launch_workers(run: "Run") -> None:
     if c.progress:
         from .._service.progress import make_bar
 
-        run.bar = make_bar(c.total_frames, run.frames)
+        run.bar = make_bar(c.total_frames, run.counts.frames)
 
 
-async def start_server(run: "Run", spec: dict) -> list:
+async def start_server(run: "RunState", spec: dict) -> list:
     """Server inference: the server for the workers' spaces (the policy built here from
     ``policy_factory`` if there is no ``policy``), its shared memory and each worker's link to
     it. Returns the policy's extra outputs (part of the batch layout)."""
@@ -138,7 +141,7 @@ async def start_server(run: "Run", spec: dict) -> list:
     return extras
 
 
-def worker_policy_specs(run: "Run") -> list[PolicySpec]:
+def worker_policy_specs(run: "RunState") -> list[PolicySpec]:
     """The policy as each worker gets it: the local rollout's own (``num_workers=0``: the
     collector's policy itself, or random), else one spec pickled once for every worker, or one
     per worker with a factory of its own."""
@@ -151,7 +154,7 @@ def worker_policy_specs(run: "Run") -> list[PolicySpec]:
     return [policy_spec(run, None)] * c.workers  # one spec for every worker: pickled once
 
 
-def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
+def policy_spec(run: "RunState", worker: int | None) -> PolicySpec:
     """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
     c = run.config
     if c.inference == "server":  # the workers only step envs: the policy stays here
@@ -167,11 +170,11 @@ def policy_spec(run: "Run", worker: int | None) -> PolicySpec:
         ) from exc
 
 
-def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
+def rollout_configs(run: "RunState", policy_specs: list[PolicySpec]) -> list[RolloutConfig]:
     from .._core.registry import snapshot
 
     c = run.config
-    counters = tuple(run.start_counters) if run.start_counters else None
+    counters = tuple(run.counts.start_counters) if run.counts.start_counters else None
     # ids registered in this process, for the workers: packed once, sent to each as bytes
     env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
     registry = snapshot(env_id) if c.num_workers else ()
@@ -184,10 +187,10 @@ def rollout_configs(run: "Run", policy_specs: list[PolicySpec]) -> list[RolloutC
             envs_per_worker=c.envs_per_worker,
             total_envs=c.total_envs,
             frames_per_env=c.frames_per_env,
-            seed=run.seed,
-            static_seed=run.static_seed,
+            seed=run.seeding.seed,
+            static_seed=run.seeding.static_seed,
             max_frames_per_traj=c.max_frames_per_traj,
-            random_steps=max(c.random_steps - run.frames // c.total_envs, 0),
+            random_steps=max(c.random_steps - run.counts.frames // c.total_envs, 0),
             reset_at_each_iter=c.reset_at_each_iter,
             traj_counters=counters,
             registry=registry,

@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .public import public
 
 if TYPE_CHECKING:
-    from .._collector.run import Run
+    from .._collector.run_state import RunState
 
 ACTIVITIES = ("cpu", "cuda")
 
@@ -179,7 +179,7 @@ class RunProfiling:
     """A run's profiling: which workers record their next rollouts, the collector process's own
     recorder, and the traces they announce (:class:`~aiocollect.events.ProfileTraceReady`)."""
 
-    def __init__(self, run: "Run", config: ProfileConfig | None) -> None:
+    def __init__(self, run: "RunState", config: ProfileConfig | None) -> None:
         self.run = run
         self.config = config
         self.recorder: Recorder | None = None  # the collector process's, when profile_collector

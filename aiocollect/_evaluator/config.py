@@ -195,13 +195,7 @@ class EvaluatorConfig:
             positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
         if self.step_timeout is not None:
             positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
-        if self.backend == "thread":
-            raise ConfigError(
-                "backend='thread' (TorchRL's default) is not an aiocollect backend: its evaluator runs in a worker "
-                "process of its own, which never holds your event loop or your GIL; use backend='process' (the "
-                "default), or 'ray'"
-            )
-        check_choice("backend", self.backend, ("process", "ray"))
+        self._check_backend()
         check_needs(self, EVALUATOR_MODE_OPTIONS)
         if self.cpus is not None:
             from .._core.affinity import normalize_cpu_set
@@ -213,10 +207,27 @@ class EvaluatorConfig:
                 f"log_prefix={self.log_prefix!r} must be a non-empty str (TorchRL's metric names, e.g. 'eval' gives "
                 f"'eval/reward'), or None for aiocollect's names"
             )
-        if self.backend == "ray":
-            from .._backends.ray import check_actor_options
+        self.chosen_backend.check_options(self.ray_actor_options, 1)  # (its own options: Ray's actor's)
 
-            check_actor_options(self.ray_actor_options, 1)
+    def _check_backend(self) -> None:
+        """One of the table's backends that open an evaluator (TorchRL's ``"thread"`` is explained)."""
+        from .._backends.table import EVALUATOR_BACKENDS
+
+        if self.backend == "thread":  # (TorchRL's name, not one of ours)
+            raise ConfigError(
+                "backend='thread' (TorchRL's default) is not an aiocollect backend: its evaluator runs in a worker "
+                "process of its own, which never holds your event loop or your GIL; use backend='process' (the "
+                "default), or 'ray'"
+            )
+        check_choice("backend", self.backend, EVALUATOR_BACKENDS)
+
+    @property
+    def chosen_backend(self) -> Any:
+        """The backend object of that name (:data:`~aiocollect._backends.table.BACKENDS`), which
+        opens the evaluator's worker."""
+        from .._backends.table import EVALUATOR_BACKENDS, backend_named
+
+        return backend_named(self.backend, EVALUATOR_BACKENDS)
 
     @property
     def actor_options(self) -> dict:

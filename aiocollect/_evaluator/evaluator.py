@@ -17,7 +17,6 @@ import numpy as np
 from .._core.errors import ConfigError, EvaluatorBusyError, EvaluatorClosedError
 from .config import EvaluatorConfig, EvaluatorState, check_request, weights_payload, worker_setup
 from .run import EvalRun, in_event_loop
-from .._backends.launcher import get_launcher
 from .._service.front import Service, warn_unclosed
 from .._core.public import public
 
@@ -34,11 +33,12 @@ __all__ = [
 class Evaluator(Service):
     """Evaluates a policy on whole episodes in a worker process of its own.
 
-    >>> async with Evaluator("CartPole-v1", policy, num_trajectories=10, seed=0) as ev:  # doctest: +SKIP
-    ...     metrics = await ev.evaluate(policy, step=0)      # the module's current weights
-    ...     metrics["return_mean"], metrics["episode_length_mean"]
-    ...     ev.trigger(policy, step=1)                        # in the background
-    ...     await ev.wait()                                   # {... 'step': 1 ...}
+    Examples:
+        >>> async with Evaluator("CartPole-v1", policy, num_trajectories=10, seed=0) as ev:  # doctest: +SKIP
+        ...     metrics = await ev.evaluate(policy, step=0)      # the module's current weights
+        ...     metrics["return_mean"], metrics["episode_length_mean"]
+        ...     ev.trigger(policy, step=1)                        # in the background
+        ...     await ev.wait()                                   # {... 'step': 1 ...}
 
     The env (an id or a factory, ``num_envs`` of them) and a replica of the policy live in one
     process forked from aiocollect's launcher: evaluation never competes with the training
@@ -168,9 +168,8 @@ class Evaluator(Service):
         self._run = EvalRun(c, worker_config, needs)
         self._portal: Any = None  # synchronous code (TorchRL's blocking calls): a _blocking.Portal, made on first use
         self._steps = 0  # with log_prefix: TorchRL's evaluation counter, the step of an untagged evaluation
-        if c.backend == "process":
-            # let the launcher import what the worker needs while the caller does other things
-            get_launcher().ensure_started(needs)
+        # let the backend prepare (the launcher import what the worker needs) while the caller does other things
+        c.chosen_backend.warm_up(needs)
 
     # -- public state -----------------------------------------------------------------------------
     @property

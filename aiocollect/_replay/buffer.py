@@ -115,10 +115,11 @@ def _check_layout(
 class ReplayBuffer:
     """A fixed-capacity circular buffer of frames, with a pluggable :class:`Sampler`.
 
-    >>> buffer = ReplayBuffer(100_000, batch_size=256)
-    >>> async for batch in collector:                # doctest: +SKIP
-    ...     buffer.extend(batch)                     # [E, T] batch -> E*T frames
-    ...     sample = buffer.sample()                 # TensorDict [256]
+    Examples:
+        >>> buffer = ReplayBuffer(100_000, batch_size=256)
+        >>> async for batch in collector:                # doctest: +SKIP
+        ...     buffer.extend(batch)                     # [E, T] batch -> E*T frames
+        ...     sample = buffer.sample()                 # TensorDict [256]
 
     **Storage.** The first batch written fixes the layout: every tensor entry of it (nested ones
     included, ``("collector", "mask")`` excepted) gets a preallocated, zero-filled tensor of

@@ -204,10 +204,11 @@ class StalenessAwareSampler(Sampler):
     Cost: after each write or change of ``consumer_version``/``max_staleness``, one vectorized
     pass over the stored versions (no Python loop); between those, a sample is O(batch log n).
 
-    >>> sampler = StalenessAwareSampler(max_staleness=4)
-    >>> buffer = ReplayBuffer(10_000, sampler, batch_size=256)     # doctest: +SKIP
-    >>> buffer.extend(batch); sampler.consumer_version = collector.policy_version  # doctest: +SKIP
-    >>> sample = buffer.sample()                                    # doctest: +SKIP
+    Examples:
+        >>> sampler = StalenessAwareSampler(max_staleness=4)
+        >>> buffer = ReplayBuffer(10_000, sampler, batch_size=256)     # doctest: +SKIP
+        >>> buffer.extend(batch); sampler.consumer_version = collector.policy_version  # doctest: +SKIP
+        >>> sample = buffer.sample()                                    # doctest: +SKIP
     """
 
     sample_keys = (("staleness",), ("weight",))

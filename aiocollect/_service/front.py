@@ -50,8 +50,9 @@ class Service(AsyncResource):
         wait for the handler itself). An exception in one surfaces like a background
         evaluation's error (from :meth:`~aiocollect.Evaluator.evaluate` for its own evaluation).
 
-        >>> @collector.on(EpisodeEnded)                     # doctest: +SKIP
-        ... def log(event): print(event.ret)
+        Examples:
+            >>> @collector.on(EpisodeEnded)                     # doctest: +SKIP
+            ... def log(event): print(event.ret)
         """
         return self._run.bus.on(event_type, handler)
 

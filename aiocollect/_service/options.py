@@ -125,7 +125,8 @@ class Needs:
     ``option``, set to anything but ``default``, needs ``setting`` (an attribute of the config,
     shown to the user as ``label``) to be one of ``allowed`` (``None``: given, anything but
     None). ``does``: what the option does (why it needs that setting); ``fix``: the way out, or a
-    dict of it by the setting's value."""
+    dict of it by the setting's value (its ``None`` entry for any value it does not name: a
+    backend object's name, say)."""
 
     option: str
     default: Any
@@ -156,8 +157,9 @@ class Needs:
             return
         value, actual, label = getattr(config, self.option), getattr(config, self.setting), self.label or self.setting
         need = f"{label} (not None)" if self.allowed is None else " or ".join(f"{label}={a!r}" for a in self.allowed)
-        fix = self.fix if isinstance(self.fix, str) else self.fix[actual]
-        raise ConfigError(f"{self.option}={value!r:.200} {self.does}, so it needs {need}, but {label}={actual!r}; {fix}")
+        fix = self.fix if isinstance(self.fix, str) else self.fix.get(actual, self.fix.get(None, ""))
+        raise ConfigError(f"{self.option}={value!r:.200} {self.does}, so it needs {need}, but {label}={actual!r}"
+                          + (f"; {fix}" if fix else ""))
 
 
 def check_needs(config: Any, table: Sequence[Needs]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -23,7 +23,7 @@ from .._core.errors import add_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._worker.rollout import RolloutConfig
-    from .._collector.run import Run
+    from .._collector.run_state import RunState
     from .._backends.workers import WorkerHandle
 
 
@@ -54,7 +54,7 @@ class RestartBudget:
         return True
 
 
-async def supervise(run: "Run", w: "WorkerHandle") -> None:
+async def supervise(run: "RunState", w: "WorkerHandle") -> None:
     """Handle worker ``w``'s reports; when it fails, replace it or report the failure."""
     restart = run.config.on_worker_failure == "restart"
     while True:
@@ -63,7 +63,7 @@ async def supervise(run: "Run", w: "WorkerHandle") -> None:
             old_pid = w.pid
             index = getattr(error, "worker", w.index)
             await run.emit(ev.WorkerFailed, worker=-1 if index is None else index, pid=old_pid, error=error)
-            if not restart or run.closing or run.finished or not run.budget.allow(error):
+            if not restart or not run.collecting or not run.budget.allow(error):
                 run.worker_failed(error)
                 return
             try:
@@ -77,7 +77,7 @@ async def supervise(run: "Run", w: "WorkerHandle") -> None:
         run.wake()
 
 
-def replacement_config(run: "Run", w: "WorkerHandle") -> RolloutConfig:
+def replacement_config(run: "RunState", w: "WorkerHandle") -> RolloutConfig:
     """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories its
     failure cut end there), the random steps it still owes, seeds derived from the restart."""
     c = run.config
@@ -95,7 +95,7 @@ def replacement_config(run: "Run", w: "WorkerHandle") -> RolloutConfig:
     )
 
 
-async def watchdog(run: "Run", timeout: float) -> None:
+async def watchdog(run: "RunState", timeout: float) -> None:
     """Declare hung the workers that spend longer than ``timeout`` seconds in one call, that are
     stopped for that long, or that were granted work and show no progress for that long (checked
     four times per timeout, at most every second): see :meth:`WorkerHandle.stuck
@@ -106,8 +106,9 @@ async def watchdog(run: "Run", timeout: float) -> None:
         await anyio.sleep(period)
         for w in run.workers:
             stuck = w.stuck(timeout)
-            if stuck is not None:
-                await w.declare_hung(*stuck, timeout)
+            if stuck is not None:  # (only a seat that reports hangs has declare_hung: a WatchedSeat)
+                watched: Any = w
+                await watched.declare_hung(*stuck, timeout)
 
 
 __all__ = ["RestartBudget", "replacement_config", "supervise", "watchdog"]

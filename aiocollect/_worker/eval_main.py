@@ -6,7 +6,8 @@ socket with the typed messages of :mod:`aiocollect._core.eval_wire` (whose docst
 protocol); weights arrive as a state dict pickled in the :class:`~aiocollect._core.eval_wire.Evaluate`
 message. The socket's shell (blocking sends and receives, the serve loop, how a fatal error is
 reported) is :mod:`aiocollect._worker.peer`, shared with the rollout workers; making and closing the
-envs is :mod:`aiocollect._worker.envs`.
+envs is :mod:`aiocollect._worker.envs`; the episodes are stepped by the rollout's loop
+(:mod:`aiocollect._worker.episodes`, imported once the worker is configured).
 
 With a ``step_timeout`` the worker keeps a heartbeat (:mod:`aiocollect._core.heartbeat`) in the memfd
 sent with the config: before each env reset, env step and policy call of an evaluation, and idle
@@ -21,23 +22,17 @@ runs episodes, or when the launcher it was forked from dies (SIGKILL by the pare
 
 from __future__ import annotations
 
-import copy
-import math
 import mmap
 import os
 import socket
 import traceback
 from typing import Any
 
-import numpy as np
-
-from .._core.datachecks import ActionGuard, check_reward, check_value, short
 from .._core import heartbeat as _heartbeat
 from .._core.affinity import apply_cpus
 from .envs import add_envs, close_envs
 from .._core.errors import ConfigTypeError, SpecError
 from .._core.eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
-from .._core.layout import action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from .peer import Peer, _Stop, pack_exception, serve_peer
 
 
@@ -87,15 +82,9 @@ class EvalWorker(Peer):
         self.obs_space, self.act_space = add_envs(
             self.envs, cfg.num_envs, cfg.env_fn, cfg.env_kwargs, "the evaluator", cfg.registry
         )
-        self.obs_leaves = observation_leaves(self.obs_space)
-        self.act_leaves = action_leaves(self.act_space, cfg.one_hot_actions)
-        self.obs_spaces = leaf_spaces(self.obs_space)
-        self.flatten_obs = flattener(self.obs_space, "observation")
-        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
-        self.lengths: list[int] = []  # per episode of the evaluation in progress: steps so far
-        self.running: dict[int, int] = {}  # env -> its episode in the evaluation in progress
-        self.obs = [np.zeros((cfg.num_envs,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
-        self.action_spaces = [copy.deepcopy(env.action_space) for env in self.envs]
+        from .episodes import EpisodeRollout  # (the rollout's stepping loop: imported once the worker starts)
+
+        self.loop = EpisodeRollout(cfg, self.envs, self.obs_space, self.act_space)
 
         self.root: Any = None  # the policy object weights are loaded into
         self.inner: Any = None  # what the runner calls (the root, or its unwrapped module)
@@ -112,33 +101,18 @@ class EvalWorker(Peer):
             self.root = payload() if cfg.policy_mode == "factory" else payload
             if isinstance(self.root, torch.nn.Module):
                 self.root.eval()  # evaluation: dropout off, batch norm on its running statistics
-        self.runner = self._build_runner()
-        self.guard: ActionGuard | None = None  # for a policy's actions (random ones need none)
-        if self.uses_torch:
-            from .policy import EnvActions
-
-            env_actions = EnvActions(self.act_space, self.act_leaves)
-            guard = ActionGuard(
-                self.act_space,
-                self.act_leaves,
-                [f"eval env {i}" for i in range(cfg.num_envs)],
-                lambda arrays: env_actions.per_env(arrays, cfg.num_envs),
-                check_finite=cfg.check_finite,
-                action_bounds=cfg.action_bounds,
-            )
-            self.guard = guard if guard.active else None
-        for i in range(cfg.num_envs):  # real observations to check the env and the policy with
-            self._start_episode(i, i)
-        self.runner.probe(self.obs)  # a policy that does not fit fails here, at start (RNG untouched)
+        # real observations (each env's first episode) to check the env and the policy with
+        self.loop.begin(self._build_runner(), self.uses_torch)
 
     def _build_runner(self) -> Any:
         from .policy import ModuleRunner, RandomRunner, TensorDictRunner, classify
 
+        loop = self.loop
         if not self.uses_torch:
-            return RandomRunner(self.action_spaces, self.act_leaves)
+            return RandomRunner(loop.action_spaces, loop.act_leaves)
         kind, fn, in_keys, out_keys = classify(self.root)
         self.inner = fn
-        common = (self.act_space, self.act_leaves, self.obs_leaves, self.cfg.num_envs)
+        common = (self.act_space, loop.act_leaves, loop.obs_leaves, self.cfg.num_envs)
         if kind == "module":
             return ModuleRunner(fn, in_keys, out_keys, *common)
         return TensorDictRunner(fn, self.cfg.exploration_type, *common)
@@ -191,95 +165,16 @@ class EvalWorker(Peer):
         )
 
     # -- episodes ---------------------------------------------------------------------------------
-    def _start_episode(self, i: int, episode: int) -> None:
-        seed = self.cfg.seed
-        if self.hb is not None:
-            self.hb.begin(_heartbeat.RESET, i)
-        obs, _ = self.envs[i].reset(seed=None if seed is None else seed + episode)
-        if seed is not None and not self.uses_torch:
-            self.action_spaces[i].seed(seed + episode)
-        self._set_obs(i, obs)
-
-    def _when(self, i: int) -> str:
-        """When env ``i`` takes its next action, or got its reward (for messages)."""
-        episode = self.running[i]
-        return f"at step {self.lengths[episode] + 1} of episode {episode}"
-
-    def _obs_when(self, i: int) -> str:
-        episode = self.running.get(i)
-        if episode is None:
-            return "returned by reset"
-        return f"returned by step {self.lengths[episode]} of episode {episode}"
-
-    def _set_obs(self, i: int, obs: Any) -> None:
-        what = f"eval env {i}'s observation"
-        if is_bare(self.obs_space):  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
-            self.obs[0][i] = check_value(obs, self.obs_leaves[0], what, self.obs_spaces[0])
-        else:
-            for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, self.obs, self.flatten_obs(obs)):
-                buf[i] = check_value(value, leaf, what, space)
-        for k in self.finite_obs:
-            if not np.isfinite(self.obs[k][i]).all():
-                raise SpecError(
-                    f"{what} for key {'.'.join(self.obs_leaves[k].key)!r} {self._obs_when(i)} is "
-                    f"{short(self.obs[k][i])}: not finite (check_finite=True)"
-                )
-
     def evaluate(self, n: int) -> tuple[list[float], list[int]]:
         """Run ``n`` episodes; episode ``j`` starts with ``reset(seed=seed + j)`` on whichever env
         is free, so the results do not depend on the number of envs. The heartbeat is idle again
         when it returns or raises (before the parent hears of it)."""
+        self.loop.heartbeat = self.hb  # (set after start-up: by run, or by a Ray actor)
         try:
-            return self._episodes(n)
+            return self.loop.run_episodes(n, self.tick)
         finally:
             if self.hb is not None:
                 self.hb.idle()
-
-    def _episodes(self, n: int) -> tuple[list[float], list[int]]:
-        cfg = self.cfg
-        if self.uses_torch and cfg.seed is not None:
-            import torch
-
-            torch.manual_seed(cfg.seed)
-        returns = [0.0] * n
-        self.lengths = lengths = [0] * n
-        self.running = running = {}  # env -> episode
-        started = 0
-        for i in range(min(len(self.envs), n)):
-            self._start_episode(i, started)
-            running[i] = started
-            started += 1
-        max_steps = cfg.max_steps
-        guard = self.guard
-        hb = self.hb
-        while running:
-            self.tick()
-            if hb is not None:
-                hb.begin(_heartbeat.POLICY)
-            actions, arrays, _ = self.runner.act(self.obs)
-            if guard is not None:  # only the rows of envs that step: the others keep a stale obs
-                actions = guard.apply(arrays, actions, self._when, rows=list(running))
-            for i, episode in list(running.items()):
-                if hb is not None:
-                    hb.begin(_heartbeat.STEP, i)
-                obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
-                if not isinstance(reward, (float, int)):
-                    reward = check_reward(reward, f"eval env {i}'s reward {self._when(i)}")
-                if cfg.check_finite and not math.isfinite(reward):
-                    raise SpecError(f"eval env {i}'s reward {self._when(i)} is {reward!r}: not finite (check_finite=True)")
-                returns[episode] += float(reward)
-                lengths[episode] += 1
-                if terminated or truncated or (max_steps is not None and lengths[episode] >= max_steps):
-                    if started < n:
-                        del running[i]  # the next observation comes from reset
-                        self._start_episode(i, started)
-                        running[i] = started
-                        started += 1
-                    else:
-                        del running[i]
-                else:
-                    self._set_obs(i, obs)
-        return returns, lengths
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:

@@ -108,13 +108,16 @@ def _leaf_contiguous(a: np.ndarray) -> bool:
     return True
 
 
+_SLOTS_KEPT = 4  # slots whose step views a rollout keeps (a worker has two or three)
+
+
 class _Staging:
     """Where one batch of ``T`` steps of ``E`` rows is written as the envs step. Rewards and
     flags: time-major buffers (``[T, E]``), written into the slot at the batch's end. Frames
     (observations, actions, extras): time-major buffers too (each step writes contiguous rows,
     and the batch goes into the slot in one copy per key at its end), or, ``in_slot``, the slot
     itself (single envs write a row at a time: no copy at the end). Each step's views are made
-    once (per batch where they are the slot's)."""
+    once (once per slot where they are the slot's)."""
 
     def __init__(
         self, T: int, E: int, obs: list[Leaf], act: list[Leaf], extras: list[Leaf], carried: list[np.ndarray],
@@ -124,6 +127,7 @@ class _Staging:
             return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
 
         self.T, self.in_slot, self.carried = T, in_slot, carried
+        self.slots: dict[int, tuple[dict, list[tuple]]] = {}  # in_slot: id(views) -> (views, its steps)
         self.rew = np.zeros((T, E), reward_dtype)
         self.term = np.zeros((T, E), bool)
         self.trunc = np.zeros((T, E), bool)
@@ -152,12 +156,31 @@ class _Staging:
             for t in range(T)
         ]
 
+    def stop_after(self, t: int, cur: list[np.ndarray], carried: list[np.ndarray]) -> None:
+        """The batch stops after step ``t`` (no row has anything left to do): the steps after it
+        hold no reward and no episode end, and ``cur`` (the observation after step ``t``) is
+        carried."""
+        for buf in (self.rew, self.term, self.trunc, self.done):
+            buf[t + 1:] = 0
+        if cur is not carried:
+            for dst, src in zip(carried, cur):
+                dst[...] = src
+
     def slot_steps(self, views: dict[Key, np.ndarray], obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[tuple]:
-        """``in_slot``: each step's views of the slot ``views``."""
-        return self._steps(
+        """``in_slot``: each step's views of the slot ``views``, made once per slot (a worker
+        fills the same few slots, each a dict of the same arrays, over and over; the last
+        :data:`_SLOTS_KEPT` are kept)."""
+        kept = self.slots.get(id(views))
+        if kept is not None and kept[0] is views:
+            return kept[1]
+        steps = self._steps(
             [views[leaf.key] for leaf in obs], [views[leaf.key] for leaf in act], [views[leaf.key] for leaf in extras],
             [views[("next",) + leaf.key] for leaf in obs], time_major=False,
         )
+        if len(self.slots) >= _SLOTS_KEPT:
+            del self.slots[next(iter(self.slots))]
+        self.slots[id(views)] = (views, steps)
+        return steps
 
     def into_slot(self, views: dict[Key, np.ndarray], obs: list[Leaf], others: list[Leaf]) -> None:
         """At the batch's end, into the slot: one copy per key (``[T, E, ...]`` -> ``[E, T, ...]``)."""
@@ -182,6 +205,11 @@ class Rollout:
 
     serial = True  # single envs: stepped one by one, their frames written into the slot itself
     takes_arrays = False  # the envs take the runner's per-env actions (a vector env: the action arrays)
+    # whole episodes (the evaluator's): the rows that step, in order, and those with no episode
+    # left, which do not step; the batch stops when no row steps (None: every row, in index order)
+    stepping: list[int] | None = None
+    idle: np.ndarray | None = None
+    _stage: "_Staging | None" = None  # the batch's step views (kept from batch to batch: built once per slot)
 
     def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: gym.Env | None = None) -> None:
         self.cfg = cfg
@@ -199,49 +227,62 @@ class Rollout:
     def _setup(self, local_policy: Any) -> None:
         cfg = self.cfg
         E = cfg.envs_per_worker
-        self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
-        self.act_leaves: list[Leaf] = action_leaves(self.act_space, cfg.one_hot_actions)
-        self.obs_spaces = leaf_spaces(self.obs_space)
-        self.flatten_obs = flattener(self.obs_space, "observation")
-        self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
-        self.obs_dtype0 = self.obs_leaves[0].np_dtype
-        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
-        self.rows, self.total_rows = E, cfg.total_envs
+        self._layout(cfg.check_finite, cfg.one_hot_actions)
+        env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
+        counters = cfg.traj_counters
+        self._start_rows(env_ids, cfg.total_envs, [counters[g] for g in env_ids] if counters else [0] * E)
         self.random_calls = cfg.random_steps
-        # float leaves to scan for NaN/inf after each step (integers cannot hold them)
-        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
-        self.steps = 0
-
         seeds = self._seeds()
         self.action_spaces = []
         for env, seed in zip(self.envs, seeds):
             space = copy.deepcopy(env.action_space)
             space.seed(seed)
             self.action_spaces.append(space)
-        counters = cfg.traj_counters
-        traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
+        self.guard = self._make_guard([f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds)
+        for i, (env, seed) in enumerate(zip(self.envs, seeds)):
+            obs, _ = env.reset(seed=seed)
+            self._set_obs(i, obs, checked=True)
+        self._build_policy(local_policy, E, cfg.total_envs)
+
+    def _layout(self, check_finite: bool, one_hot_actions: bool) -> None:
+        """The observation's and action's leaves, and how observations are checked and written."""
+        self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
+        self.act_leaves: list[Leaf] = action_leaves(self.act_space, one_hot_actions)
+        self.obs_spaces = leaf_spaces(self.obs_space)
+        self.flatten_obs = flattener(self.obs_space, "observation")
+        self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
+        self.obs_dtype0 = self.obs_leaves[0].np_dtype
+        # float leaves to scan for NaN/inf after each step (integers cannot hold them)
+        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if check_finite else []
+
+    def _start_rows(self, env_ids: np.ndarray, total_rows: int, traj_k: Sequence[int]) -> None:
+        """The rows' state: global env ids, trajectory ids (row ``i`` is in its ``traj_k[i]``-th
+        trajectory), carried observations, episode returns and starts; step 0."""
+        E = len(env_ids)
+        self.env_ids, self.rows, self.total_rows = env_ids, E, total_rows
+        self.steps = 0
         # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
-        self.cur_traj = traj_k * self.total_rows + self.env_ids
+        self.cur_traj = np.asarray(traj_k, dtype=np.int64) * total_rows + env_ids
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         # per row: the reward of its episode before this batch, and the step its episode began at
         # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
         self.ep_ret = np.zeros(E, np.float64)
         self.ep_start = np.zeros(E, np.int64)
         self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
-        env_actions = EnvActions(self.act_space, self.act_leaves)
+
+    def _make_guard(
+        self, names: list[str], check_finite: bool, action_bounds: ActionBounds,
+        per_env: Callable[[list[np.ndarray]], Sequence[Any]] | None = None,
+    ) -> ActionGuard | None:
+        """The checks of the policy's actions (not random ones) for the rows named ``names``
+        (``per_env``: the envs' actions from the action arrays); None: nothing to check."""
+        if per_env is None:
+            env_actions, E = EnvActions(self.act_space, self.act_leaves), len(names)
+            per_env = lambda arrays: env_actions.per_env(arrays, E)  # noqa: E731
         guard = ActionGuard(
-            self.act_space,
-            self.act_leaves,
-            [f"env {g}" for g in self.env_ids],
-            lambda arrays: env_actions.per_env(arrays, E),
-            check_finite=cfg.check_finite,
-            action_bounds=cfg.action_bounds,
+            self.act_space, self.act_leaves, names, per_env, check_finite=check_finite, action_bounds=action_bounds,
         )
-        self.guard = guard if guard.active else None  # for the policy's actions, not random ones
-        for i, (env, seed) in enumerate(zip(self.envs, seeds)):
-            obs, _ = env.reset(seed=seed)
-            self._set_obs(i, obs, checked=True)
-        self._build_policy(local_policy, E, cfg.total_envs)
+        return guard if guard.active else None
 
     def _build_policy(self, local_policy: Any, num_envs: int, total_envs: int) -> None:
         """The policy's runner for ``num_envs`` rows (its torch seed comes after the seeds of all
@@ -374,7 +415,7 @@ class Rollout:
 
     # -- the stepping loop (single envs: a vector of ``envs_per_worker`` rows; vector envs: vector.py) --
     def _staging(self, T: int) -> _Staging:
-        stage = getattr(self, "_stage", None)
+        stage = self._stage
         if stage is None or stage.T != T:
             stage = self._stage = _Staging(
                 T, self.rows, self.obs_leaves, self.act_leaves, self.extra_leaves, self.cur_obs, in_slot=self.serial,
@@ -407,7 +448,7 @@ class Rollout:
         first_step, first_start = self.steps, self.ep_start.copy()
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
-        guard, check_finite, hb = self.guard, cfg.check_finite, self.heartbeat
+        guard, check_finite, hb, idle = self.guard, cfg.check_finite, self.heartbeat, self.idle
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
@@ -428,16 +469,19 @@ class Rollout:
             if self.takes_arrays:
                 env_actions = act_arrays
             if guard is not None and not random:
-                env_actions = guard.apply(act_arrays, env_actions, self._action_step)
+                env_actions = guard.apply(act_arrays, env_actions, self._action_step, self.stepping)
             if extra_t:
                 for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
                     dst[...] = arr
-            finals = self._step_envs(env_actions, nxt, rew_t, term_t, trunc_t)
+            finals = self._step_envs(env_actions, obs_t, nxt, rew_t, term_t, trunc_t)
             if check_finite:
                 self._check_finite(nxt, rew_t)
             self._end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
             if cfg.ahead and t + 1 < T and self.steps >= self.random_calls:
                 self.runner.ahead(cur)  # (worker_groups: computed while the other group steps)
+            if idle is not None and idle.all():
+                stage.stop_after(t, cur, self.cur_obs)
+                break
             yield
         env_time += clock() - t_env
         if hb is not None:
@@ -464,6 +508,8 @@ class Rollout:
         if max_len is not None:  # (an episode's length after this step: steps + 1 - its start)
             cut = self.ep_start <= self.steps + 1 - max_len
             cut &= ~env_ended
+            if self.idle is not None:  # (rows with no episode left do not step)
+                cut &= ~self.idle
             if cut.any():
                 trunc_t |= cut
                 env_ended = ended.copy()
@@ -478,10 +524,12 @@ class Rollout:
         self.steps += 1
 
     def _step_envs(
-        self, actions: Any, nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray
+        self, actions: Any, obs_t: list[np.ndarray], nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray,
+        trunc_t: np.ndarray,
     ) -> list[tuple[int, dict]]:
-        """One step of every env: writes each row's next observation, reward and flags. Returns
-        what :meth:`_after_ends` needs of a same-step vector env (single envs: nothing)."""
+        """One step of every env (``obs_t``: the observations they act on): writes each row's next
+        observation, reward and flags. Returns what :meth:`_after_ends` needs of a same-step vector
+        env (single envs: nothing)."""
         hb, ids = self.heartbeat, self.env_ids
         single, flatten = self.single_obs, self.flatten_obs
         leaf0, space0, dtype0 = self.obs_leaves[0], self.obs_spaces[0], self.obs_dtype0
@@ -546,17 +594,22 @@ class Rollout:
         each step, in order) as columns -- rows, trajectory ids, returns, lengths, terminated, in the
         order they ended -- and each row's reward carried into the next batch (:attr:`ep_ret`).
         Worked out from the batch's rewards with a few whole-batch operations rather than per step:
-        a row's return is the difference of its running sum of rewards (``float64``) at its end and
-        at its previous end in this batch, or, for its first end, that sum plus what it carried in;
-        its length likewise from steps (``first_start``: each row's episode start at the batch's
-        first step, ``first_step``)."""
-        sums = stage.sums  # [T, E]: each row's reward up to each step (a step at a time: faster than np.cumsum here)
+        a row's return is its running sum of rewards (``float64``, from what it carried in, and
+        from zero after each end: added in the order the rewards came, as a plain loop adds them);
+        its length is the difference of the steps of its end and of its previous end in this batch,
+        or, for its first end, from its episode's start (``first_start``: each row's episode start
+        at the batch's first step, ``first_step``)."""
+        sums = stage.sums  # [T, E]: each row's return up to each step (a step at a time: faster than np.cumsum here)
         np.copyto(sums, stage.rew)
+        sums[0] += self.ep_ret
+        ended_at = dict(ends)
         for t in range(1, len(sums)):
             np.add(sums[t - 1], sums[t], out=sums[t])
-        carried = self.ep_ret
+            restart = ended_at.get(t - 1)
+            if restart is not None:  # (after an end the sum starts again from the next reward)
+                sums[t, restart] = stage.rew[t, restart]
+        self.ep_ret = np.where(stage.done[-1], 0.0, sums[-1])
         if not ends:
-            carried += sums[-1]
             return None
         ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
         rows = np.concatenate([r for _, r in ends])
@@ -568,17 +621,11 @@ class Rollout:
         prev = np.empty_like(et)  # the step of the row's previous end (first ends: none)
         prev[0] = 0
         prev[1:] = et[:-1]
-        rets = sums[et, er] - sums[prev, er]
         lens = et - prev
-        rets[first] = sums[et[first], er[first]] + carried[er[first]]
         lens[first] = first_step + et[first] + 1 - first_start[er[first]]
-        carried += sums[-1]
-        last = np.append(first[1:], True)  # the row's last end in this batch
-        r_last = er[last]
-        carried[r_last] = sums[-1, r_last] - sums[et[last], r_last]
         back = np.empty_like(order)  # back into the order the episodes ended in
         back[order] = np.arange(len(order))
-        return rows, traj_buf[rows, ts], rets[back], lens[back], stage.term[ts, rows]
+        return rows, traj_buf[rows, ts], sums[ts, rows], lens[back], stage.term[ts, rows]
 
 
     def batch_info(self) -> BatchInfo:
@@ -599,6 +646,7 @@ class Rollout:
         return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
 
     def close(self) -> None:
+        self._stage = None  # (its steps hold views on the slots: they must not keep them mapped)
         runner = getattr(self, "runner", None)
         if runner is not None and runner.remote:
             runner.close()

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core.datachecks import ActionGuard, check_value, first_nonfinite, short
+from .._core.datachecks import check_value, first_nonfinite, short
 from .._core.errors import ConfigError, SpecError
 from .._core.heartbeat import RESET, STEP
 from .._core.limits import check_seed
-from .._core.layout import Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves, unflattener
+from .._core.layout import Leaf, is_bare, unflattener
 from .._core.registry import install as install_registry
 from .vecenv import _SAME, VecEnv, is_vector
 if TYPE_CHECKING:
@@ -180,26 +180,17 @@ class VectorRollout(Rollout):
         self.obs_space, self.act_space = self.vecs[0].obs_space, self.vecs[0].act_space
         self.mode = self.vecs[0].mode
         self.same = self.mode == _SAME
-        self.obs_leaves: list[Leaf] = observation_leaves(self.obs_space)
         if cfg.one_hot_actions:
             raise ConfigError(
                 "categorical_action_encoding=False (one-hot Discrete actions) is for single envs, and this worker's "
                 "env is a vector env; drop the option (actions are stored as indices), or make single envs"
             )
-        self.act_leaves: list[Leaf] = action_leaves(self.act_space)
-        self.obs_spaces = leaf_spaces(self.obs_space)
-        self.flatten_obs = flattener(self.obs_space, "observation")
-        self.single_obs = is_bare(self.obs_space)  # (a one-leaf Dict/Tuple obs is a dict/tuple: flattened)
-        self.obs_dtype0 = self.obs_leaves[0].np_dtype
+        self._layout(cfg.check_finite, False)
         # the same leaves with the sub-envs' dimension in front: what one step of a copy returns
         self.batched_leaves = [Leaf(leaf.key, (n,) + leaf.shape, leaf.dtype) for leaf in self.obs_leaves]
         self.unflatten_act = unflattener(self.act_space)
         self.bare_act = is_bare(self.act_space)
-        self.env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)  # type: ignore[assignment]  # (an array here)
-        self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if cfg.check_finite else []
         self.fast_obs = self.single_obs and not self.finite_obs
-        self.steps = 0
-        self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
         counters = cfg.traj_counters
         if counters is not None and len(counters) != self.total_rows:
             raise ConfigError(
@@ -207,25 +198,17 @@ class VectorRollout(Rollout):
                 f"{cfg.total_envs} vector envs have {self.total_rows} sub-envs; resume with the same num_workers, "
                 f"envs_per_worker and num_envs"
             )
+        env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
+        self._start_rows(env_ids, self.total_rows, [counters[g] for g in env_ids] if counters else [0] * E)
         seeds = self._seeds()
         self.action_spaces = []
         for seed in seeds:
             space = copy.deepcopy(self.act_space)
             space.seed(seed)
             self.action_spaces.append(space)
-        traj_k = np.array([counters[g] for g in self.env_ids] if counters else [0] * E, dtype=np.int64)
-        # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
-        self.cur_traj = traj_k * self.total_rows + self.env_ids
-        self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
-        # per row: the reward of its episode before this batch, and the step its episode began at
-        # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
-        self.ep_ret = np.zeros(E, np.float64)  # type: ignore[assignment]  # (an array here)
-        self.ep_start = np.zeros(E, np.int64)
-        guard = ActionGuard(
-            self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], lambda arrays: arrays,
-            check_finite=cfg.check_finite, action_bounds=cfg.action_bounds,
+        self.guard = self._make_guard(
+            [f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds, per_env=lambda arrays: arrays
         )
-        self.guard = guard if guard.active else None
         self.partial = all(v.partial for v in self.vecs)
         # the common case of _after_ends, in one call: one next-step vector env writing its reset
         # rows into the next step's observation itself (gymnasium's CartPole), nothing to check
@@ -322,7 +305,8 @@ class VectorRollout(Rollout):
         return out[0], out[1], out[2]
 
     def _step_envs(
-        self, actions: Any, nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray
+        self, actions: Any, obs_t: list[np.ndarray], nxt: list[np.ndarray], rew_t: np.ndarray, term_t: np.ndarray,
+        trunc_t: np.ndarray,
     ) -> list[tuple[int, dict]]:
         """One ``step`` of every vector env (see :meth:`Rollout._step_envs`); returns ``(copy, info)``
         of the same-step copies where episodes ended (their final observations are in the info)."""

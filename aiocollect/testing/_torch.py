@@ -40,9 +40,10 @@ class FaultyPolicy(torch.nn.Module):
     It has one parameter (``bias``, unused), so that it has weights to synchronise like any
     policy. Pickles by reference (class ``aiocollect.testing._torch.FaultyPolicy``).
 
-    >>> policy = FaultyPolicy("raise", at_call=3)
-    >>> policy(torch.zeros(2, 4)).shape
-    torch.Size([2])
+    Examples:
+        >>> policy = FaultyPolicy("raise", at_call=3)
+        >>> policy(torch.zeros(2, 4)).shape
+        torch.Size([2])
     """
 
     def __init__(

@@ -3,7 +3,8 @@
 The package's docstrings use Sphinx roles (``:class:`Collector```,
 ``:meth:`~aiocollect.Collector.update_weights```), which the Markdown renderer leaves as text in
 front of a code span. This hook shows each role as its code span alone, without the leading
-``~`` and the ``aiocollect.`` module path, and with ``:meth:`text <target>``` as ``text``.
+``~`` and the ``aiocollect.`` module path, and with ``:meth:`text <target>``` as ``text``. It also
+drops doctest directives (``# doctest: +SKIP``) from the examples, which are for the test runner.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ _ROLE = re.compile(
 )
 
 
+# a doctest directive as Pygments renders it in a code block (a comment span), with the spaces before it
+_DIRECTIVE = re.compile(r"\s*<span class=\"c1\"># doctest: [^<]*</span>")
+
+
 def on_page_content(html: str, **kwargs: Any) -> str:
     """Rewrite the roles in the rendered HTML of a page (mkdocs' ``on_page_content`` event)."""
-    return _ROLE.sub(r"<code>\1</code>", html)
+    return _DIRECTIVE.sub("", _ROLE.sub(r"<code>\1</code>", html))
