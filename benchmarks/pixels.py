@@ -192,7 +192,8 @@ async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
         async for batch in collector:
             if meter.add(batch.numel()):
                 break
-        layout = collector._run.layout  # (private: the benchmark reads the slot layout)
+        run = collector._run  # (private: the benchmark reads the slot layout; older versions kept it on the run)
+        layout = run.shared.slots.layout if hasattr(run, "shared") else run.layout
         frames = layout.workers * layout.num_envs * layout.frames_per_env  # in one slot
         written = layout.slot_nbytes
         batch_bytes = sum(t.numel() * t.element_size() for t in batch.values(True, True))

@@ -75,7 +75,8 @@ async def hangs(n: int, step_timeout: float) -> list[float]:
                       create_env_kwargs={"episode_length": 50, "hang_at_step": 40})
         began: list[int] = []
         # the heartbeat's stamp still holds the start of the hung call when the failure is reported
-        c.on(WorkerFailed, lambda e: began.append(int(c._run.workers[0].monitor._words[0])))
+        state = getattr(c._run, "shared", c._run)  # (private: the run's workers; older versions kept them on the run)
+        c.on(WorkerFailed, lambda e: began.append(int(state.workers[0].monitor._words[0])))
         async with c:
             try:
                 with anyio.fail_after(step_timeout * 10 + 10):
