@@ -99,6 +99,8 @@ def test_notebook_runs_in_a_kernel_and_leaves_nothing(monkeypatch):
         nb,
         kernel_name="python3",
         timeout=120,  # per cell
+        iopub_timeout=60,  # (a cell's output may trail its reply on a loaded machine: wait for it)
+        raise_on_iopub_timeout=True,
         resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},  # where Jupyter would run it
     )
     client.execute()  # raises CellExecutionError (with the cell's traceback) if a cell fails

@@ -283,8 +283,9 @@ class CollectorConfig:
         self._check_env_fn()
         self._check_sizes()
         self._check_choices()
-        self._check_backend()
+        self._check_backend_name()
         check_needs(self, MODE_OPTIONS)  # options that mean something only under another setting
+        self._check_backend()  # (after the table: its messages do not need the backend's package)
         self._check_placement()
         self._check_policy()
         self._check_batch_shape()
@@ -340,10 +341,8 @@ class CollectorConfig:
         check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
         check_choice("server_priority", self.server_priority, ("normal", "idle"))
 
-    def _check_backend(self) -> None:
-        """A backend of aiocollect's by name (or None), or a backend object; its own options (a
-        backend ignores another's, which the table of options refuses naming both), the number
-        of workers and what it supports."""
+    def _check_backend_name(self) -> None:
+        """A backend of aiocollect's by name (or None), or a backend object."""
         from .._backends.table import BACKENDS, backend_choices, backend_object
 
         if self.backend is None or isinstance(self.backend, str):
@@ -351,6 +350,10 @@ class CollectorConfig:
                          f"{backend_choices()} (or None: chosen by num_workers)")
         else:
             backend_object(self.backend)
+
+    def _check_backend(self) -> None:
+        """The backend's own options (a backend ignores another's, which the table of options
+        refuses naming both), the number of workers and what it supports."""
         backend = self.chosen_backend
         backend.check_options(self.ray_actor_options, self.num_workers)
         unsupported = (  # (inference is a checked str by now; profile anything, even an array)

@@ -42,7 +42,8 @@ class EpisodeRollout(Rollout):
         # the loop's settings; its own finiteness checks are off: the evaluator's are made as each
         # env steps (see _step_envs), with the evaluator's texts
         self.cfg = RolloutConfig(
-            cfg.env_fn, cfg.env_kwargs, None, 0, E, E, _BATCH_STEPS,  # type: ignore[arg-type]  # (no policy: set up apart) seed=cfg.seed, max_frames_per_traj=cfg.max_steps,
+            cfg.env_fn, cfg.env_kwargs, None, 0, E, E, _BATCH_STEPS,  # type: ignore[arg-type]  # (no policy: set up apart)
+            seed=cfg.seed, max_frames_per_traj=cfg.max_steps,
         )
         self.envs, self.obs_space, self.act_space = envs, obs_space, act_space
         self._layout(cfg.check_finite, cfg.one_hot_actions)
