@@ -32,7 +32,7 @@ stamp="$VENV/.aiocollect-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
   echo "[setup] installing torch==$TORCH_VERSION first"
   "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  echo "[setup] installing aiocollect with its test and example extras (.[dev])"
+  echo "[setup] installing aiocollect with its test, example and video extras (.[dev])"
   "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[dev]"
   touch "$stamp"
 fi

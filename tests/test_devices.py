@@ -112,3 +112,39 @@ async def test_server_on_cuda_gives_the_data_of_worker_inference(storing_device,
     for g, c in zip(gpu, cpu):
         for key in ("observation", "action", ("next", "observation"), ("collector", "policy_version")):
             assert torch.equal(g[key], c[key]), key
+
+
+class _Difference(torch.nn.Module):
+    """Acts on ``a - b``: wrong wherever the two inputs (of one shape) arrive swapped or equal."""
+
+    def forward(self, a, b):
+        return ((a - b).sum(-1) > 0).long()
+
+
+@cuda
+async def test_server_on_cuda_keeps_two_inputs_of_one_shape_apart():
+    """Two observation leaves of the same shape and dtype are staged in page-locked memory of their
+    own each, so that the second's copy never overwrites the first's before it reached the GPU:
+    the server on CUDA acts as worker inference on the CPU does."""
+    from gymnasium import spaces
+    from tensordict.nn import TensorDictModule
+
+    from aiocollect.testing import SpacesEnv
+
+    box = spaces.Box(-1.0, 1.0, (64,), dtype="float32")
+
+    def env():
+        return SpacesEnv(spaces.Dict({"a": box, "b": box}), spaces.Discrete(2), episode_length=9)
+
+    async def collect(**kw):
+        policy = TensorDictModule(_Difference(), in_keys=["a", "b"],
+                                  out_keys=["action"])
+        async with Collector(env, policy, frames_per_batch=2 * 4 * 8, total_frames=2 * 4 * 8 * 3, num_workers=2,
+                             envs_per_worker=4, seed=0, **kw) as c:
+            return [batch.to("cpu").clone() async for batch in c]
+
+    with anyio.fail_after(120):
+        gpu = await collect(inference="server", policy_device="cuda")
+        cpu = await collect()
+    for g, c in zip(gpu, cpu):
+        assert torch.equal(g["action"], c["action"])

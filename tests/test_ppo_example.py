@@ -56,11 +56,11 @@ def _marked_pids(mark: str) -> list[int]:
     return found
 
 
-def run_example(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
-    """Runs the example in a fresh interpreter; checks that it started processes of its own and
-    that none of them is left once it exited."""
+def run_example(*args: str, timeout: float = 200, example: str = EXAMPLE) -> subprocess.CompletedProcess[str]:
+    """Runs the example (or another ``example`` file) in a fresh interpreter; checks that it
+    started processes of its own and that none of them is left once it exited."""
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, EXAMPLE, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, example, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, PPO_TEST_MARK=mark))
     children: set[int] = set()
     deadline = time.monotonic() + timeout

@@ -131,7 +131,7 @@ class EvalProcess(ChildProcess):
         req.sent = False
         self.waiting = req.id
         try:
-            await self.send(Evaluate(req.id, weights, episodes))
+            await self.send(Evaluate(req.id, weights, episodes, req.step))
             req.sent = True
             if req.abandoned:
                 await self.send(Abort(req.id))

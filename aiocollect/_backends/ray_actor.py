@@ -211,8 +211,8 @@ class EvalActor:
         self.worker = worker
         return ("ready", os.getpid(), _node_id())
 
-    def evaluate(self, rid: int, weights: Any, episodes: int) -> tuple:
-        """Evaluation ``rid``: ``("result", rid, returns, lengths)``, ``("aborted", rid)`` or
+    def evaluate(self, rid: int, weights: Any, episodes: int, step: int | None = None) -> tuple:
+        """Evaluation ``rid``: ``("result", rid, returns, lengths, video)``, ``("aborted", rid)`` or
         ``("failed", rid, packed exception, traceback)`` (the actor stays usable)."""
         from .._worker.eval_main import _Abort
         from .._worker.peer import pack_exception
@@ -223,13 +223,14 @@ class EvalActor:
                 return ("aborted", rid)
             self.worker.load_weights(weights)
             returns, lengths = self.worker.evaluate(episodes)
+            video = self.worker.take_video(rid if step is None else step)  # (a file: on the actor's node)
         except _Abort:
             return ("aborted", rid)
         except Exception as exc:  # noqa: BLE001 - the evaluation fails, the actor goes on
             return ("failed", rid, pack_exception(exc), traceback.format_exc())
         finally:
             self.current = None
-        return ("result", rid, returns, lengths)
+        return ("result", rid, returns, lengths, video)
 
     def abort(self, rid: int) -> None:
         """Stop evaluation ``rid`` at its next step (or before it starts)."""

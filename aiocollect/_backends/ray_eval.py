@@ -107,7 +107,7 @@ class RayEvalWorker:
             raise self.dead
         self.busy = True
         try:
-            ref = self.actor.evaluate.remote(req.id, weights, episodes)
+            ref = self.actor.evaluate.remote(req.id, weights, episodes, req.step)
             req.sent = True
             if req.abandoned:
                 self.abort_nowait(req.id)
@@ -120,7 +120,7 @@ class RayEvalWorker:
             self.busy = False
         kind = answer[0]
         if kind == "result":
-            return Result(answer[1], answer[2], answer[3])
+            return Result(answer[1], answer[2], answer[3], answer[4])
         if kind == "aborted":
             return Aborted(answer[1])
         return Failed(answer[1], answer[2], answer[3])

@@ -20,6 +20,7 @@ from . import resume as _resume
 from .._service.portal import Portal
 from .blocking import BlockingMixin
 from .config import CollectorConfig
+from .queue_sink import sink_for
 from .._core.errors import AiocollectError, CollectorClosedError, ConfigError, EndOfCollection
 from .._backends.seat import Backend
 from .._worker.policy import PolicySpec, classify
@@ -126,10 +127,11 @@ class Collector(Service, BlockingMixin):
         envs_per_worker: int = 1,
         delivery: str = "sync",
         inference: str = "worker",
-        create_env_kwargs: dict | None = None,
+        create_env_kwargs: dict | Sequence[dict] | None = None,
         policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
         max_frames_per_traj: int | None = None,
         init_random_frames: int | None = None,
+        max_decorrelation_steps: int = 0,
         reset_at_each_iter: bool = False,
         split_trajs: bool = False,
         exploration_type: Any = "random",
@@ -162,6 +164,7 @@ class Collector(Service, BlockingMixin):
         ray_actor_options: dict | Sequence[dict] | None = None,
         worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
         categorical_action_encoding: bool = True,
+        recurrent_state: dict | None = None,
     ) -> None:
         options = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
         self.config = CollectorConfig(**options)
@@ -389,7 +392,7 @@ class Collector(Service, BlockingMixin):
         _resume.load_state_dict(self._run.shared, state)
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def start(self, replay_buffer: Any = None) -> None:
+    async def start(self, replay_buffer: Any = None, *, queue: Any = None, close_queue: bool = True) -> None:
         """Start the workers and wait until they are ready (idempotent). Raises what a worker
         raised while starting (an env factory's error, a :class:`SpecError` ...).
 
@@ -406,8 +409,23 @@ class Collector(Service, BlockingMixin):
         background and writes every batch into it, until ``total_frames`` or :meth:`aclose`;
         :meth:`pause` holds the writes. Errors (of the workers or of ``extend``) are raised by
         :meth:`aclose`. Batches then go to the buffer only: :meth:`collect` refuses.
+
+        With ``queue`` (instead of ``replay_buffer``: an ``asyncio.Queue``, the send side of
+        ``anyio.create_memory_object_stream()`` or of ``trio.open_memory_channel()``) every batch
+        is put into your queue (``await put`` / ``await send``), in order, so that several
+        consumer tasks share one collector. A full queue holds the collector as a slow buffer
+        does: ``collector.batches`` (counting a batch waiting to be put) is at most the queue's
+        size plus one ahead of what your consumers took; the workers then stop once ``prefetch``
+        batches and their slots are full. When the delivery ends (``total_frames``, a failure, :meth:`aclose`,
+        which cancels a pending put) the collector closes the queue if ``close_queue`` (the
+        default): a stream or channel is closed, so its receivers' ``async for`` ends after the
+        batches still in it; an ``asyncio.Queue`` is shut down (``get()`` raises
+        ``asyncio.QueueShutDown`` once it is empty) where Python has ``Queue.shutdown`` (3.13+),
+        else left open (stop its consumers yourself; ``len(collector)`` says how many batches
+        come). Pass ``close_queue=False``, or a ``clone()`` of a stream, to keep it open. Errors
+        are raised by :meth:`aclose`, as with a replay buffer.
         """
-        await self._run.start(replay_buffer)
+        await self._run.start(sink_for(replay_buffer, queue, close_queue))
 
     async def __aenter__(self) -> "Collector":
         try:
@@ -448,8 +466,8 @@ class Collector(Service, BlockingMixin):
             await run.start()
         if run.shared.sink is not None:
             raise AiocollectError(
-                "this collector writes its batches into a replay buffer (start(replay_buffer=...)); "
-                "sample from the buffer instead of collecting"
+                "this collector writes its batches into a replay buffer or a queue (start(replay_buffer=...) or "
+                "start(queue=...)); sample from the buffer, or take from the queue, instead of collecting"
             )
         batch = await run.collect()
         if run.shared.sync.watch is not None:

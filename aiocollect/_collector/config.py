@@ -20,10 +20,10 @@ from .._service.options import (
     check_choice,
     check_data_options,
     check_env_id,
-    check_kwargs,
     check_needs,
     check_platform,
     check_policy_args,
+    check_recurrent_state,
     check_sendable_to_workers,
     check_worker_count,
     exploration_name,
@@ -33,6 +33,7 @@ from .._service.options import (
     positive_seconds,
 )
 from .._core.public import public
+from .env_factories import check_env_factories, env_ids, listed
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._backends.seat import Backend
@@ -77,7 +78,10 @@ class CollectorConfig:
     """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``, or a
     ``gymnasium.vector.VectorEnv`` whose sub-envs are then rows of the batch (see
     ``docs/vector-envs.md``); lambdas and classes defined in ``__main__`` or a notebook work: it
-    travels with cloudpickle.
+    travels with cloudpickle. A list (TorchRL's ``create_env_fn=[f1, f2, ...]``) gives each worker
+    its own (``num_workers`` entries) or each env its own (``num_workers * envs_per_worker``; with
+    ``num_workers=0``, ``envs_per_worker``); each row of a batch then says which one made its env in
+    ``("collector", "env_fn_index")``. Every env must have the same spaces.
     Ids registered in this process (``gymnasium.register``, or by importing a plugin such as
     ``ale_py``) can be made in the workers, by id or by a callable that calls ``gymnasium.make``:
     the registry is sent to them at each start."""
@@ -103,8 +107,9 @@ class CollectorConfig:
     each); ``"server"``, the policy object itself in this process, one batched forward pass over
     the envs of every worker that waits for actions (workers step envs only and never import
     torch). See ``docs/inference.md``."""
-    create_env_kwargs: dict | None = None
-    """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``)."""
+    create_env_kwargs: dict | Sequence[dict] | None = None
+    """Keyword arguments for ``create_env_fn`` (or ``gymnasium.make``): one dict for every env, or a
+    list of one per worker or per env (as a list of ``create_env_fn``)."""
     policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None
     """Builds the policy inside each worker instead of copying ``policy``: one callable for every
     worker, or a list of one per worker (distinct policies, e.g. one per agent or league member;
@@ -243,6 +248,27 @@ class CollectorConfig:
     option): the policy writes a one-hot action (a single 1), the env gets its index, and random
     actions are stored one-hot too. Single envs only (not vector envs)."""
 
+    max_decorrelation_steps: int = 0
+    """Before collecting, each env takes a random number (uniform in ``[0, max_decorrelation_steps]``,
+    from ``seed``) of random-action steps, resetting at episode ends, so that the envs do not start
+    in lockstep (rlpyt's option). Those steps are not frames: not delivered, not counted, their
+    ended episodes not reported (the episode in progress keeps its length and return). A replaced
+    worker's envs are decorrelated again. See ``docs/concepts.md``."""
+
+    recurrent_state: dict | None = None
+    """The state a recurrent TensorDict policy carries from step to step: state key -> per-env
+    shape (or ``(shape, dtype)``; float32 by default), e.g. ``{"recurrent_state": (1, 64)}``.
+    Each step the policy reads ``"is_init"`` and each key (zeros at an episode's start) and writes
+    ``("next", key)``; the batch stores all three. TorchRL's ``LSTMModule``/``GRUModule`` declare
+    theirs already (no need to repeat it). See ``docs/inference.md``."""
+
+    @property
+    def state_leaves(self) -> tuple:
+        """``recurrent_state`` as the leaves of the state (``()``: none declared)."""
+        from .._worker.recurrent import declared_leaves
+
+        return declared_leaves(self.recurrent_state)
+
     def cpus_for(self, worker: int) -> tuple[int, ...] | None:
         """The CPUs of ``worker`` (``None``: wherever the kernel puts it)."""
         return None if self.worker_cpus is None else self.worker_cpus[worker]
@@ -299,9 +325,10 @@ class CollectorConfig:
         fn = self.create_env_fn
         if isinstance(fn, str):
             check_env_id(fn)
-        elif not callable(fn):
+        elif not callable(fn) and not listed(fn):  # (a list: checked with the numbers of workers and envs)
             raise ConfigError(
-                f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env"
+                f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env "
+                f"(nor a list of them, one per worker or per env)"
             )
 
     def _check_sizes(self) -> None:
@@ -380,6 +407,11 @@ class CollectorConfig:
     def _check_policy(self) -> None:
         """``policy`` and ``policy_factory``, and where the policy runs (the server's options, devices)."""
         check_policy_args(self.policy, self.policy_factory)
+        object.__setattr__(self, "recurrent_state", check_recurrent_state(self.recurrent_state))
+        if self.recurrent_state is not None:
+            from .._worker.policy import check_recurrent_policy
+
+            check_recurrent_policy(self.policy, self.state_leaves)
         if self.inference == "server":
             from .inference_server import check_server_config
 
@@ -413,7 +445,7 @@ class CollectorConfig:
 
     def _check_batch_shape(self) -> None:
         """``frames_per_batch`` splits evenly over the envs that fill a batch."""
-        check_kwargs("create_env_kwargs", self.create_env_kwargs)
+        check_env_factories(self)  # (create_env_fn, create_env_kwargs: one, or a list per worker or per env)
         envs = self.envs_per_batch
         if self.frames_per_batch % envs:
             who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
@@ -425,6 +457,7 @@ class CollectorConfig:
             positive_int("max_frames_per_traj", self.max_frames_per_traj)
         if self.init_random_frames is not None:
             positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
+        positive_int("max_decorrelation_steps", self.max_decorrelation_steps, allow_zero=True)
 
     def _check_flags(self) -> None:
         for name in ("reset_at_each_iter", "split_trajs", "progress", "categorical_action_encoding"):
@@ -469,10 +502,11 @@ class CollectorConfig:
         """Start, failures and shutdown: what travels to the workers, restarts, timeouts, the profiler."""
         positive_seconds("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
         fn = self.create_env_fn
-        if isinstance(fn, str) and self.num_workers > 0:
+        if self.num_workers > 0:
             from .._core.registry import check_sendable
 
-            check_sendable(fn)  # the id's spec must reach the worker processes
+            for env_id in env_ids(self):
+                check_sendable(env_id)  # the id's spec must reach the worker processes
         if self.num_workers > 0:
             check_sendable_to_workers(fn, self.create_env_kwargs)
         positive_int("max_restarts", self.max_restarts, allow_zero=True)

@@ -103,7 +103,7 @@ class InferenceServer:
 
     def __init__(self, policy: Any, spec: dict, seats: int, rows: int, exploration_type: str,
                  device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False,
-                 env_batch_size: int | None = None, priority: str = "normal") -> None:
+                 env_batch_size: int | None = None, priority: str = "normal", state: tuple = ()) -> None:
         from .._worker.policy import PolicySpec, build_runner
 
         self.policy = policy
@@ -111,11 +111,12 @@ class InferenceServer:
         self.obs_leaves: list[Leaf] = spec["obs"]
         self.act_leaves: list[Leaf] = spec["act"]
         self.act_space = spec["act_space"]
-        local = PolicySpec("local", exploration_type=exploration_type)
+        local = PolicySpec("local", exploration_type=exploration_type, state=state)
         self._build = lambda n: _served(build_runner(  # a runner per number of rows served at once
             local, self.act_space, self.act_leaves, self.obs_leaves, n, [], policy
         ))
         self._runners: dict[int, Any] = {}
+        self.memory: Any = None  # a recurrent policy: one state row per env served (seat * rows + row)
         self._extra_keys: list[Any] = []
         self.compile, self.cudagraph = compile_policy, cudagraph_policy
         # env_batch_size: a pass waits for this many rows, or for every worker that may still ask
@@ -140,6 +141,7 @@ class InferenceServer:
 
             self.stream = torch.cuda.Stream(self.device)  # the server's own: never the user's default stream
             self._pinned: dict[tuple, Any] = {}
+            self._pinned_uses: dict[tuple, int] = {}  # this pass's inputs staged, per shape and dtype
         self.version = 0
         self.forward_passes = 0
         self.rows_served = 0
@@ -158,6 +160,9 @@ class InferenceServer:
         self.in_loop = False
 
     def _runner(self, n: int) -> Any:
+        """The runner for a pass over ``n`` rows (called once at the start of every pass)."""
+        if self.cuda:
+            self._pinned_uses.clear()  # a new pass: its inputs take the staging buffers from the first
         runner = self._runners.get(n)
         if runner is None:
             runner = self._runners[n] = self._new_runner(n)
@@ -167,6 +172,13 @@ class InferenceServer:
 
     def _new_runner(self, n: int) -> Any:
         runner = self._build(n)
+        if getattr(runner, "memory", None) is not None:  # (every runner carries the server's rows)
+            from .._worker.recurrent import RecurrentMemory
+
+            if self.memory is None:
+                self.memory = RecurrentMemory(runner.memory.leaves, self.seats * self.rows)
+            runner.memory, runner.is_init = self.memory, None
+            runner.state_rows = np.arange(n)  # (probes and warm-ups: the first rows; a pass sets its own)
         if self.cuda:
             runner._from_numpy = self._to_device
         if self.compile is not False or self.cudagraph is not False:
@@ -199,20 +211,28 @@ class InferenceServer:
         import torch
 
         passes = 3 if self.cudagraph is not False else 1
+        self._runner(self.rows)  # (a recurrent policy's memory: kept as it was)
+        kept = None if self.memory is None else self.memory.saved()
         with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.cuda else []), self._on_stream():
             for k in range(1, self.seats + 1):
                 zeros = [np.zeros((k * self.rows,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
                 for _ in range(passes):
                     self._runner(k * self.rows).act(zeros)
+        if kept is not None:
+            self.memory.restore(kept)
 
     def _to_device(self, arr: np.ndarray) -> Any:
-        """CUDA: observations into page-locked memory of this shape (one buffer per shape,
-        reused: the previous pass's copy out of it is complete, since each pass ends by waiting
-        for its outputs on the same stream), then to the device without blocking, on the server's
-        stream."""
+        """CUDA: observations into page-locked memory (one buffer per input of a pass, by shape,
+        dtype and order: two inputs of one shape in a pass must not share a buffer, whose copy to
+        the device may still be pending; reused across passes: the previous pass's copies are
+        complete, since each pass ends by waiting for its outputs on the same stream), then to
+        the device without blocking, on the server's stream."""
         import torch
 
-        key = (arr.shape, arr.dtype.str)
+        shape_key = (arr.shape, arr.dtype.str)
+        nth = self._pinned_uses.get(shape_key, 0)
+        self._pinned_uses[shape_key] = nth + 1
+        key = shape_key + (nth,)
         pinned = self._pinned.get(key)
         if pinned is None:
             pinned = self._pinned[key] = torch.empty(arr.shape, dtype=torch.from_numpy(arr[:0]).dtype, pin_memory=True)
@@ -235,9 +255,10 @@ class InferenceServer:
     def allocate(self, extras: list[Leaf]) -> None:
         """The shared segment and the eventfds (every worker's, kept for replacements)."""
         self.layout = ServerLayout(tuple(self.obs_leaves), tuple(self.act_leaves), tuple(extras), self.seats, self.rows,
-                                   signal_idle=self.min_rows is not None)
+                                   signal_idle=self.min_rows is not None, recurrent=self.memory is not None)
         self.segment = _shm.allocate(self.layout.nbytes, f"aiocollect-{os.getpid()}-server")
         self.obs, self.act, self.extras, self.versions = self.layout.arrays(self.segment[1])
+        self.init_req = self.obs.pop() if self.memory is not None else None  # [seats, rows]: is_init per request
         self.req_fds = [os.eventfd(0, _FLAGS) for _ in range(self.seats)]
         self.resp_fds = [os.eventfd(0, _FLAGS) for _ in range(self.seats)]
         self._stop_fd = os.eventfd(0, _FLAGS)
@@ -331,7 +352,12 @@ class InferenceServer:
             version = self.version
             # (on CUDA the outputs come back with a copy that waits for the pass: the thread waits
             # outside the GIL, the event loop runs meanwhile)
-            _, act_arrays, extras = self._runner(rows * len(ready)).act(inputs)
+            runner = self._runner(rows * len(ready))
+            if self.memory is not None:  # the state rows of these seats, and which start an episode
+                assert self.init_req is not None
+                runner.state_rows = None if whole else np.concatenate([np.arange(w * rows, (w + 1) * rows) for w in ready])
+                runner.state_init = self.init_req.reshape(-1) if whole else np.concatenate([self.init_req[w] for w in ready])
+            _, act_arrays, extras = runner.act(inputs)
             for i, w in enumerate(ready):
                 part = slice(i * rows, (i + 1) * rows)
                 for dst, arr in zip(self.act, act_arrays):

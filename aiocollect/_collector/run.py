@@ -39,6 +39,7 @@ from .._service.supervisor import supervise, watchdog
 from .._service.systask import spawn_system_task
 from .config import CollectorConfig
 from .producer import Lease, Producer
+from .queue_sink import QueueSink
 from .run_state import CollectorState, Phase, RunState, State
 from .startup import import_in_thread, launch_workers, stop_workers
 from .weightsync import check_worker_ids
@@ -101,7 +102,7 @@ class Run:
         self.check_loop()
         if sink is not None:
             if s.phase is not Phase.CREATED:
-                raise AiocollectError("start(replay_buffer=...) must be the first start of the collector")
+                raise AiocollectError("start(replay_buffer=...) or start(queue=...) must be the first start of the collector")
             if not callable(getattr(sink, "extend", None)):
                 raise ConfigError(f"replay_buffer={sink!r} has no extend(batch) method; pass a ReplayBuffer or a TorchRL buffer")
             s.sink = sink
@@ -294,7 +295,15 @@ class Run:
         return self.shared.gate.hold()
 
     async def _drain_into_sink(self) -> None:
-        """Background collection: every batch goes into the replay buffer."""
+        """Background collection: every batch goes into the replay buffer or the user's queue
+        (whose side is closed when the delivery ends, however it ends)."""
+        try:
+            await self._drain()
+        finally:
+            if isinstance(self.shared.sink, QueueSink):
+                await self.shared.sink.end()
+
+    async def _drain(self) -> None:
         s = self.shared
         sink, gate = s.sink, s.gate
         while True:

@@ -17,6 +17,7 @@ from .._core import shm as _shm
 from .._core.errors import AiocollectError, SpecError
 from .._core.layout import SlotLayout, frame_leaves
 from .._worker.policy import PolicySpec, describe
+from .env_factories import check_same_spaces, env_ids, has_factory_list, worker_factories
 from .producer import whole_slots
 from .._service.resource import in_own_thread
 from .._worker.rollout import RolloutConfig
@@ -90,7 +91,8 @@ async def launch_workers(run: "RunState") -> None:
     run.workers = list(workers)
     slots = run.slots
     slots.sub_envs = learn_sub_envs(specs, c, run.counts.start_counters, run.seeding.seed)
-    batch_specs = [{k: v for k, v in s.items() if k != "weights"} for s in specs]
+    check_same_spaces(specs, run.configs)
+    batch_specs = [{k: v for k, v in s.items() if k not in ("weights", "spaces")} for s in specs]
     for i, s in enumerate(batch_specs[1:], 1):
         if s != batch_specs[0]:
             raise SpecError(
@@ -100,7 +102,8 @@ async def launch_workers(run: "RunState") -> None:
     extras = specs[0]["extras"]
     if c.inference == "server":
         extras = await start_server(run, specs[0])
-    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras, step_count=c.max_frames_per_traj is not None)
+    leaves = frame_leaves(specs[0]["obs"], specs[0]["act"], extras, step_count=c.max_frames_per_traj is not None,
+                          env_fn_index=has_factory_list(c))
     slots.layout = SlotLayout.build(leaves, run.rows_per_worker, c.frames_per_row(slots.sub_envs), c.num_slots,
                                     len(run.workers))
     # the real bytes per frame are known now: refuse a run whose slots cannot fit, before any is filled
@@ -130,7 +133,7 @@ async def start_server(run: "RunState", spec: dict) -> list:
     groups = c.worker_groups
     server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
                              c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size,
-                             c.server_priority)
+                             c.server_priority, c.state_leaves)
     run.server = server
     extras = server.probe()
     if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)
@@ -148,7 +151,7 @@ def worker_policy_specs(run: "RunState") -> list[PolicySpec]:
     c = run.config
     if c.num_workers == 0:
         local_policy = c.policy is not None or c.factory_for(0) is not None
-        return [PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type)]
+        return [PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type, state=c.state_leaves)]
     if isinstance(c.policy_factory, tuple):
         return [policy_spec(run, i) for i in range(c.workers)]
     return [policy_spec(run, None)] * c.workers  # one spec for every worker: pickled once
@@ -161,7 +164,7 @@ def policy_spec(run: "RunState", worker: int | None) -> PolicySpec:
         return PolicySpec("server", exploration_type=c.exploration_type)
     factory = c.factory_for(worker or 0)
     try:
-        return describe(c.policy, factory, c.exploration_type)
+        return describe(c.policy, factory, c.exploration_type, c.state_leaves)
     except Exception as exc:
         what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
         raise AiocollectError(
@@ -176,12 +179,11 @@ def rollout_configs(run: "RunState", policy_specs: list[PolicySpec]) -> list[Rol
     c = run.config
     counters = tuple(run.counts.start_counters) if run.counts.start_counters else None
     # ids registered in this process, for the workers: packed once, sent to each as bytes
-    env_id = c.create_env_fn if isinstance(c.create_env_fn, str) else None
-    registry = snapshot(env_id) if c.num_workers else ()
+    ids = env_ids(c)
+    registry = snapshot(ids[0] if ids else None) if c.num_workers else ()
     return [
         RolloutConfig(
-            env_fn=c.create_env_fn,
-            env_kwargs=dict(c.create_env_kwargs or {}),
+            **worker_factories(c, i),
             policy=policy_specs[i],
             worker=i,
             envs_per_worker=c.envs_per_worker,
@@ -199,6 +201,7 @@ def rollout_configs(run: "RunState", policy_specs: list[PolicySpec]) -> list[Rol
             worker_groups=c.worker_groups,
             cpus=c.cpus_for(i),
             one_hot_actions=not c.categorical_action_encoding,
+            decorrelation_steps=c.max_decorrelation_steps,
         )
         for i in range(c.workers)
     ]

@@ -8,8 +8,8 @@ in the :class:`Evaluate` message as a CPU state dict. Protocol (``P`` parent, ``
     W: Hello(pid)                        the handshake every child process starts with
     P: Configure(cloudpickle(EvalWorkerConfig))  + fd, with a step_timeout: the heartbeat's memfd
     W: Ready()                           or Error(exception, traceback): it then exits
-    P: Evaluate(id, weights, episodes)   weights: None or (kind, {name: tensor})
-    W: Result(id, returns, lengths)      or Failed(id, exception, traceback)
+    P: Evaluate(id, weights, episodes, step)  weights: None or (kind, {name: tensor})
+    W: Result(id, returns, lengths, video)  or Failed(id, exception, traceback)
     P: Abort(id)                         the caller gave up: W answers Aborted(id)
     W: Error(exception, traceback)       at any time: a fatal error, the worker exits
     P: end-of-file (shutdown(SHUT_WR))   close the envs and exit
@@ -52,6 +52,12 @@ class EvalWorkerConfig:
     check_finite: bool = False
     action_bounds: ActionBounds = "pass"
     one_hot_actions: bool = False  # categorical_action_encoding=False: the policy writes a Discrete action one-hot
+    recurrent_state: tuple = ()  # recurrent_state's leaves: the state a recurrent TensorDict policy carries
+    record_video: bool = False  # the frames of each evaluation's first episode (render())
+    video_dir: str | None = None  # written there as <video_prefix>_<step or id>.mp4; None: the frames are sent
+    video_fps: int = 30
+    video_max_frames: int | None = None
+    video_prefix: str = "eval"
 
 
 # -- parent to worker ----------------------------------------------------------------------------
@@ -71,6 +77,7 @@ class Evaluate:
     id: int
     weights: tuple[str, dict] | None  # (kind, {name: tensor}): kind "state_dict" or "params"
     episodes: int
+    step: int | None = None  # the caller's step (names the video file)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +102,7 @@ class Result:
     id: int
     returns: list[float]
     lengths: list[int]
+    video: Any = None  # record_video: the first episode's file path, or its frames (uint8 [T, H, W, 3])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -185,11 +185,14 @@ def _first(values: list[Any]) -> Any:
 # -- slots ------------------------------------------------------------------------------------
 
 
-def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf], step_count: bool = False) -> list[Leaf]:
+def frame_leaves(
+    obs: list[Leaf], act: list[Leaf], extras: list[Leaf], step_count: bool = False, env_fn_index: bool = False
+) -> list[Leaf]:
     """Every leaf a worker writes into a slot, in a fixed order. (``("next", "done")`` is not
     stored: the collector computes it once per batch from terminated and truncated.)
     ``step_count``: also ``step_count`` and ``("next", "step_count")`` (``max_frames_per_traj``,
-    as TorchRL's ``StepCounter``)."""
+    as TorchRL's ``StepCounter``). ``env_fn_index``: also ``("collector", "env_fn_index")``, the
+    index of the factory that made each row's env (a list of ``create_env_fn``)."""
     leaves = list(obs) + list(act) + list(extras)
     if step_count:
         taken = [leaf.key for leaf in leaves if leaf.key[0] == "step_count"]
@@ -207,6 +210,8 @@ def frame_leaves(obs: list[Leaf], act: list[Leaf], extras: list[Leaf], step_coun
         Leaf(("collector", "traj_ids"), (), "int64"),
         Leaf(("collector", "policy_version"), (), "int64"),
     ]
+    if env_fn_index:
+        leaves.append(Leaf(("collector", "env_fn_index"), (), "int64"))
     return leaves
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import os
 import sys
 from typing import Any, Callable, Literal, Mapping
 
@@ -28,11 +29,13 @@ from .._service.options import (
     check_kwargs,
     check_policy_args,
     check_platform,
+    check_recurrent_state,
 )
 from .._core.errors import ConfigError
 from .._core.eval_wire import EvalWorkerConfig
 from .._core.limits import check_seed
-from .._worker.policy import PolicySpec, classify
+from .._core.video import require_writer
+from .._worker.policy import PolicySpec, classify, is_recurrent
 from .._core.registry import snapshot as snapshot_registry
 from .._core.public import public
 
@@ -146,11 +149,33 @@ class EvaluatorConfig:
     categorical_action_encoding: bool = True
     """A Discrete action as the policy writes it: its index (``True``), or one-hot (``False``,
     TorchRL ``GymEnv``'s default), as the collector's option of the same name."""
+    recurrent_state: dict | None = None
+    """A recurrent TensorDict policy's state, key -> per-env shape, as the collector's option of the
+    same name (TorchRL's ``LSTMModule``/``GRUModule`` need none): zeros at each episode's start."""
     log_prefix: str | None = None
     """``None``: aiocollect's metric names (``return_mean`` ...). A str (TorchRL's default is
     ``"eval"``): TorchRL's ``Evaluator``'s names instead, ``<log_prefix>/reward``,
     ``/reward_std`` (``ddof=1``), ``/num_episodes``, ``/episode_length``, ``/fps``, ``/step``
     (an evaluation counter where no ``step`` is given) and ``/<name>`` for ``metrics_fn``'s items."""
+    record_video: bool = False
+    """Record the first episode of each evaluation (TorchRL's ``dump_video``): the env's
+    ``render()`` after its reset and after each step, so the env must be made with
+    ``render_mode="rgb_array"`` (``gymnasium.make(id, render_mode="rgb_array")``, or
+    ``env_kwargs={"render_mode": "rgb_array"}``). The metrics then hold ``"video"`` (or
+    ``<log_prefix>/video``): the path of the file written in ``video_dir``, or without one the
+    frames, a ``uint8`` numpy array ``[T, H, W, 3]`` (``T``: the episode's length plus one, at most
+    ``video_max_frames``; about 0.7 MB per frame for CartPole's 600x400, sent from the worker)."""
+    video_dir: str | None = None
+    """With ``record_video``: write each video as ``<video_dir>/<video_prefix>_<step>.mp4`` (the
+    evaluation's ``step``, or its number from 1 when none is given), made by the evaluator's
+    worker (``pip install 'aiocollect[video]'``: imageio with ffmpeg). ``None``: frames in the metrics."""
+    video_fps: int = 30
+    """Frames per second of the video files."""
+    video_max_frames: int | None = 1000
+    """With ``record_video``: frames recorded at most (the episode runs on unrecorded past them);
+    ``None``: the whole episode, however long."""
+    video_prefix: str = "eval"
+    """The start of the video files' names."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -202,12 +227,37 @@ class EvaluatorConfig:
 
             object.__setattr__(self, "cpus", normalize_cpu_set(self.cpus, "cpus"))
         check_bool("categorical_action_encoding", self.categorical_action_encoding)
+        object.__setattr__(self, "recurrent_state", check_recurrent_state(self.recurrent_state))
+        if self.recurrent_state is not None:
+            from .._worker.policy import check_recurrent_policy
+            from .._worker.recurrent import declared_leaves
+
+            check_recurrent_policy(self.policy, declared_leaves(self.recurrent_state))
         if self.log_prefix is not None and (not isinstance(self.log_prefix, str) or not self.log_prefix):
             raise ConfigError(
                 f"log_prefix={self.log_prefix!r} must be a non-empty str (TorchRL's metric names, e.g. 'eval' gives "
                 f"'eval/reward'), or None for aiocollect's names"
             )
         self.chosen_backend.check_options(self.ray_actor_options, 1)  # (its own options: Ray's actor's)
+        self._check_video()
+
+    def _check_video(self) -> None:
+        check_bool("record_video", self.record_video)
+        if self.video_dir is not None:
+            if not self.record_video:
+                raise ConfigError(
+                    f"video_dir={self.video_dir!r} without record_video=True: nothing would be written there; "
+                    f"pass record_video=True too"
+                )
+            if not isinstance(self.video_dir, (str, os.PathLike)):
+                raise ConfigError(f"video_dir={self.video_dir!r} must be a directory path (a str) or None")
+            object.__setattr__(self, "video_dir", os.fspath(self.video_dir))
+            require_writer()  # (the extra is missing: said now, not at the first evaluation)
+        positive_int("video_fps", self.video_fps, fix="the video files' frames per second, e.g. 30")
+        if self.video_max_frames is not None:
+            positive_int("video_max_frames", self.video_max_frames, fix="or None to record whole episodes")
+        if not isinstance(self.video_prefix, str) or not self.video_prefix or "/" in self.video_prefix:
+            raise ConfigError(f"video_prefix={self.video_prefix!r} must be a non-empty file name prefix (no '/')")
 
     def _check_backend(self) -> None:
         """One of the table's backends that open an evaluator (TorchRL's ``"thread"`` is explained)."""
@@ -297,11 +347,12 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
     modules the worker needs (for the launcher to import once). Raises :class:`ConfigError` for
     a policy or an env that cannot be pickled."""
     from .._core import pickling as _pickling
+    from .._worker.recurrent import declared_leaves
 
     if c.policy_factory is not None:
         mode, obj, kind = "factory", c.policy_factory, "factory"
     elif c.policy is not None:
-        mode, obj, kind = "object", c.policy, classify(c.policy)[0]
+        mode, obj, kind = "object", c.policy, classify(c.policy, is_recurrent(c.policy, declared_leaves(c.recurrent_state)))[0]
     else:
         mode, obj, kind = "random", None, "random"
     if mode == "object":
@@ -332,6 +383,12 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,
             one_hot_actions=not c.categorical_action_encoding,
+            recurrent_state=declared_leaves(c.recurrent_state),
+            record_video=c.record_video,
+            video_dir=c.video_dir,
+            video_fps=c.video_fps,
+            video_max_frames=c.video_max_frames,
+            video_prefix=c.video_prefix,
         ))
     except Exception as exc:
         raise ConfigError(

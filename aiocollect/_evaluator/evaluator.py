@@ -49,7 +49,9 @@ class Evaluator(Service):
     **Metrics** (a dict, Python numbers): ``return_mean``, ``return_std`` (population, ``ddof=0``),
     ``return_min``, ``return_max``, ``episode_length_mean``, whatever ``metrics_fn(returns,
     lengths)`` adds, then ``step`` (as given), ``num_trajectories`` and ``seconds`` (wall time
-    from sending the request to the result, weight transfer included).
+    from sending the request to the result, weight transfer included). With ``record_video=True``
+    also ``video``: the first episode's frames (``uint8 [T, H, W, 3]``) or, with ``video_dir``,
+    the path of the mp4 file written from them (see :class:`EvaluatorConfig`).
 
     **Weights.** ``weights`` may be an ``nn.Module`` (its ``state_dict()`` is used), a state dict,
     ``TensorDict.from_module(module)``, or ``None``: the weights the policy was built with. They
@@ -135,6 +137,12 @@ class Evaluator(Service):
         ray_actor_options: dict | None = None,
         log_prefix: str | None = None,
         categorical_action_encoding: bool = True,
+        recurrent_state: dict | None = None,
+        record_video: bool = False,
+        video_dir: str | None = None,
+        video_fps: int = 30,
+        video_max_frames: int | None = 1000,
+        video_prefix: str = "eval",
     ) -> None:
         self.config = c = EvaluatorConfig(
             env=env,
@@ -163,6 +171,12 @@ class Evaluator(Service):
             ray_actor_options=ray_actor_options,
             log_prefix=log_prefix,
             categorical_action_encoding=categorical_action_encoding,
+            recurrent_state=recurrent_state,
+            record_video=record_video,
+            video_dir=video_dir,
+            video_fps=video_fps,
+            video_max_frames=video_max_frames,
+            video_prefix=video_prefix,
         )
         worker_config, needs = worker_setup(c)
         self._run = EvalRun(c, worker_config, needs)

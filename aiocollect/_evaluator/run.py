@@ -418,9 +418,12 @@ class EvalRun:
                     else:
                         if isinstance(msg, Result):
                             seconds = time.perf_counter() - t0
-                            return await compute_metrics(
+                            metrics = await compute_metrics(
                                 msg.returns, msg.lengths, self.config.metrics_fn, req.step, seconds, self.config.log_prefix
                             )
+                            if msg.video is not None:  # record_video: a file's path, or the frames
+                                metrics["video" if self.config.log_prefix is None else f"{self.config.log_prefix}/video"] = msg.video
+                            return metrics
                         if isinstance(msg, Aborted):
                             return None
                         error = proc.failure(msg)

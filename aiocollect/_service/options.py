@@ -241,3 +241,36 @@ def check_policy_args(policy: Any, policy_factory: Any) -> None:
         )
     if policy is not None and not callable(policy):
         raise ConfigError(f"policy={policy!r} is not callable; pass an nn.Module, a TensorDictModule or None")
+
+
+def check_recurrent_state(value: Any) -> dict | None:
+    """``recurrent_state``: ``None``, or a dict of state key (a str, or a tuple of strs) -> per-env
+    shape (a tuple of ints >= 1), or key -> ``(shape, dtype)`` (a torch or numpy dtype, or its
+    name). Returned as key -> ``(shape, dtype name)``; anything else is a :class:`ConfigError`."""
+    if value is None:
+        return None
+    from .._worker.recurrent import dtype_name
+
+    example = "recurrent_state={'recurrent_state': (1, 64)} (key -> per-env shape, or key -> (shape, torch.float32))"
+    if not isinstance(value, dict) or not value:
+        raise _refuse("recurrent_state", value, "a non-empty dict of state key -> per-env shape", f"pass e.g. {example}")
+    checked = {}
+    for key, spec in value.items():
+        if not (isinstance(key, str) or (isinstance(key, tuple) and key and all(isinstance(k, str) for k in key))):
+            raise ConfigError(f"recurrent_state has the key {key!r}: a state key is a str or a tuple of strs; pass e.g. {example}")
+        has_dtype = isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (tuple, list))
+        shape, dtype = (spec[0], spec[1]) if has_dtype else (spec, "float32")
+        if not isinstance(shape, (tuple, list)) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+            raise ConfigError(
+                f"recurrent_state[{key!r}]={spec!r} is not a per-env shape: give a tuple of ints >= 1 (the state of one "
+                f"env, without the env dimension, e.g. (num_layers, hidden_size)), or (shape, dtype); pass e.g. {example}"
+            )
+        try:
+            name = dtype_name(dtype)
+        except TypeError:
+            raise ConfigError(
+                f"recurrent_state[{key!r}] has the dtype {dtype!r}, which is not a numeric dtype; pass e.g. torch.float32"
+            ) from None
+        checked[key] = (tuple(shape), name)
+    return checked
+

@@ -14,17 +14,30 @@ from .._core.errors import ConfigTypeError, SpecError
 from .._core.registry import install as install_registry
 
 
-def create_env(env_fn: Any, env_kwargs: dict) -> Any:
-    """What ``create_env_fn`` returns (or ``gymnasium.make`` for an id), not checked yet."""
+def factory_of(env_fn: Any, env_kwargs: Any, copy: int) -> tuple[Any, dict]:
+    """The factory and keyword arguments of a worker's env ``copy``: ``env_fn`` and
+    ``env_kwargs`` are each one for every env of the worker, or a tuple of one per env (a
+    collector given one ``create_env_fn`` per env; a gymnasium id is a str, never a tuple)."""
+    if isinstance(env_fn, tuple):
+        env_fn = env_fn[copy]
+    if isinstance(env_kwargs, tuple):
+        env_kwargs = env_kwargs[copy]
+    return env_fn, env_kwargs
+
+
+def create_env(env_fn: Any, env_kwargs: Any, copy: int = 0) -> Any:
+    """What ``create_env_fn`` returns (or ``gymnasium.make`` for an id), not checked yet
+    (``copy``: which env of the worker, where each has a factory of its own)."""
+    env_fn, env_kwargs = factory_of(env_fn, env_kwargs, copy)
     if isinstance(env_fn, str):
         return gym.make(env_fn, **env_kwargs)
     return env_fn(**env_kwargs)
 
 
-def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
+def make_env(env_fn: Any, env_kwargs: Any, env: Any = None, copy: int = 0) -> gym.Env:
     """A new env (or ``env``, made already), which must be a ``gymnasium.Env``."""
     if env is None:
-        env = create_env(env_fn, env_kwargs)
+        env = create_env(env_fn, env_kwargs, copy)
     if not isinstance(env, gym.Env):
         raise ConfigTypeError(
             f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
@@ -34,24 +47,33 @@ def make_env(env_fn: Any, env_kwargs: dict, env: Any = None) -> gym.Env:
 
 
 def add_envs(
-    envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: dict, who: str, registry: tuple = ()
+    envs: list[gym.Env], count: int, env_fn: Any, env_kwargs: Any, who: str, registry: tuple = (),
+    fn_index: tuple[int, ...] | None = None,
 ) -> tuple[Any, Any]:
     """Append ``count`` new envs to ``envs`` (so the caller can close those made before a
     failure) and check that they share their spaces; returns (observation, action) space.
 
     ``registry`` (a :func:`aiocollect._core.registry.snapshot` of the user's process) is installed
-    first, so that ids registered there can be made here, by id or by a factory."""
+    first, so that ids registered there can be made here, by id or by a factory. ``fn_index``:
+    per env, the index of its factory in the collector's list of ``create_env_fn`` (named in
+    errors)."""
     install_registry(registry)
     for _ in range(count):
-        envs.append(make_env(env_fn, env_kwargs))
+        envs.append(make_env(env_fn, env_kwargs, copy=len(envs)))
     obs_space, act_space = envs[0].observation_space, envs[0].action_space
     for i, env in enumerate(envs[1:], 1):
         if env.observation_space != obs_space or env.action_space != act_space:
             raise SpecError(
-                f"env {i} of {who} has spaces {env.observation_space}, {env.action_space}, but env 0 has "
-                f"{obs_space}, {act_space}: all envs must share their spaces"
+                f"env {i} of {who}{made_by(fn_index, i)} has spaces {env.observation_space}, {env.action_space}, "
+                f"but env 0{made_by(fn_index, 0)} has {obs_space}, {act_space}: all envs must share their spaces"
             )
     return obs_space, act_space
+
+
+def made_by(fn_index: tuple[int, ...] | None, copy: int) -> str:
+    """`` (made by create_env_fn[k])`` for a worker's env ``copy``, where envs have factories of
+    their own; empty otherwise."""
+    return "" if fn_index is None else f" (made by create_env_fn[{fn_index[copy]}])"
 
 
 def close_envs(envs: list[gym.Env]) -> None:
@@ -64,4 +86,4 @@ def close_envs(envs: list[gym.Env]) -> None:
     envs.clear()
 
 
-__all__ = ["add_envs", "close_envs", "create_env", "make_env"]
+__all__ = ["add_envs", "close_envs", "create_env", "factory_of", "made_by", "make_env"]

@@ -24,6 +24,7 @@ from .._core.datachecks import ActionGuard, check_reward, check_value, short
 from .._core.errors import SpecError
 from .._core.heartbeat import RESET, STEP
 from .._core.layout import Key
+from .._core.video import VideoRecorder
 from .rollout import Rollout, RolloutConfig
 
 _BATCH_STEPS = 16  # steps of one batch of the loop (its scratch frames; an evaluation is any number of them)
@@ -55,6 +56,8 @@ class EpisodeRollout(Rollout):
         self.next_episode = 0  # the next episode to start
         self.episodes_left = 0  # episodes of the evaluation in progress not started yet
         self.ended: list[int] = []  # the episodes ended in the batch, in the order of the loop's tally
+        # record_video: the frames of each evaluation's first episode
+        self.video = VideoRecorder(cfg.video_max_frames) if cfg.record_video else None
 
     def begin(self, runner: Any, uses_torch: bool) -> None:
         """The policy's runner; each env starts an episode (``seed + i``), whose observations the
@@ -122,7 +125,10 @@ class EpisodeRollout(Rollout):
         if seed is not None and not self.uses_torch:
             self.action_spaces[i].seed(seed + episode)
         self._write_obs(i, obs, into, "returned by reset")
+        self.mark_init(i)
         self.episode[i] = episode
+        if self.stepping is not None and episode == 0 and self.video is not None:
+            self.video.start(self.envs[i], f"eval env {i}")
         if self.stepping is not None:  # (an evaluation in progress)
             self.stepping.append(i)
             self.idle[i] = False  # type: ignore[index]
@@ -164,6 +170,8 @@ class EpisodeRollout(Rollout):
             if hb is not None:
                 hb.begin(STEP, i)
             obs, reward, terminated, truncated, _ = self.envs[i].step(actions[i])
+            if self.video is not None and self.video.env is self.envs[i]:
+                self.video.add()
             if not isinstance(reward, (float, int)):
                 reward = check_reward(reward, f"eval env {i}'s reward {self._when(i)}")
             if cfg.check_finite and not math.isfinite(reward):
@@ -184,6 +192,8 @@ class EpisodeRollout(Rollout):
         """The rows ``rows`` ended their episode: in the order they stepped, each takes the next
         episode (its reset observation into ``cur``), or, with none left, stops stepping."""
         self.ended.extend(self.episode[i] for i in rows.tolist())
+        if self.video is not None and any(self.episode[i] == 0 for i in rows.tolist()):
+            self.video.stop()  # (the first episode's last frame is in: its env starts another)
         ended = set(rows.tolist())
         order = [i for i in self.stepping if i in ended]  # type: ignore[union-attr]
         for i in order:

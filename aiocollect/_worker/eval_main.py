@@ -105,17 +105,16 @@ class EvalWorker(Peer):
         self.loop.begin(self._build_runner(), self.uses_torch)
 
     def _build_runner(self) -> Any:
-        from .policy import ModuleRunner, RandomRunner, TensorDictRunner, classify
+        from .policy import RandomRunner, classify, is_recurrent, make_runner
 
         loop = self.loop
         if not self.uses_torch:
             return RandomRunner(loop.action_spaces, loop.act_leaves)
-        kind, fn, in_keys, out_keys = classify(self.root)
+        state = self.cfg.recurrent_state
+        kind, fn, in_keys, out_keys = classify(self.root, is_recurrent(self.root, state))
         self.inner = fn
         common = (self.act_space, loop.act_leaves, loop.obs_leaves, self.cfg.num_envs)
-        if kind == "module":
-            return ModuleRunner(fn, in_keys, out_keys, *common)
-        return TensorDictRunner(fn, self.cfg.exploration_type, *common)
+        return make_runner(kind, fn, in_keys, out_keys, self.cfg.exploration_type, common, state)
 
     # -- weights ----------------------------------------------------------------------------------
     def load_weights(self, weights: tuple[str, dict] | None) -> None:
@@ -176,6 +175,17 @@ class EvalWorker(Peer):
             if self.hb is not None:
                 self.hb.idle()
 
+    def take_video(self, number: int) -> Any:
+        """record_video: the frames of the evaluation's first episode (``uint8 [T, H, W, 3]``), or,
+        with a ``video_dir``, the path of the file written from them (``<video_prefix>_<number>.mp4``)."""
+        video = self.loop.video
+        frames = video.take() if video is not None else None
+        if frames is None or self.cfg.video_dir is None:
+            return frames
+        from .._core.video import write_video
+
+        return write_video(frames, self.cfg.video_dir, f"{self.cfg.video_prefix}_{number}", self.cfg.video_fps)
+
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
         import cloudpickle
@@ -200,6 +210,7 @@ class EvalWorker(Peer):
             try:
                 self.load_weights(msg.weights)
                 returns, lengths = self.evaluate(msg.episodes)
+                video = self.take_video(rid if msg.step is None else msg.step)
             except _Abort:
                 self.send(Aborted(rid))
             except (_Stop, KeyboardInterrupt):
@@ -207,7 +218,7 @@ class EvalWorker(Peer):
             except Exception as exc:  # noqa: BLE001 - reported; the worker stays usable
                 self.send(Failed(rid, pack_exception(exc), traceback.format_exc()))
             else:
-                self.send(Result(rid, returns, lengths))
+                self.send(Result(rid, returns, lengths, video))
             finally:
                 self.current = None
 

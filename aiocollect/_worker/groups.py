@@ -31,6 +31,14 @@ from .rollout import Rollout, RolloutConfig
 from .._core.wire import BatchInfo, Episodes
 
 
+def _group_factories(cfg: RolloutConfig, envs: slice) -> dict[str, Any]:
+    """A group's share of the worker's env factories, where each env has its own (a tuple)."""
+    return {
+        name: value[envs] for name in ("env_fn", "env_kwargs", "env_fn_index")
+        if isinstance(value := getattr(cfg, name), tuple)
+    }
+
+
 class GroupedRollout:
     """A worker's envs as ``cfg.worker_groups`` alternating groups; the interface of a
     :class:`Rollout` to the worker."""
@@ -41,8 +49,9 @@ class GroupedRollout:
         self.groups: list[Rollout] = []
         try:
             for g in range(G):
-                sub = dataclasses.replace(cfg, worker=cfg.worker * G + g, envs_per_worker=cfg.envs_per_worker // G,
-                                          worker_groups=1, ahead=True)
+                per = cfg.envs_per_worker // G
+                sub = dataclasses.replace(cfg, worker=cfg.worker * G + g, envs_per_worker=per, worker_groups=1,
+                                          ahead=True, **_group_factories(cfg, slice(g * per, (g + 1) * per)))
                 self.groups.append(Rollout(sub, None, env if g == 0 else None))
                 env = None
         except BaseException:

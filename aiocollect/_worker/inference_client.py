@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._core.layout import _ALIGN, Leaf
+from .recurrent import IS_INIT
 from .peer import _Stop
 
 REQUEST = 1  # on a request eventfd: the observations are in the worker's rows
@@ -59,9 +60,15 @@ class ServerLayout:
     seats: int
     rows: int  # env rows per seat
     signal_idle: bool = False  # env_batch_size: workers say when they end a batch (IDLE)
+    recurrent: bool = False  # a recurrent policy: requests say which rows start an episode (last request leaf)
+
+    @property
+    def requests(self) -> tuple[Leaf, ...]:
+        """The request leaves: the observation's, and with a recurrent policy each row's ``is_init``."""
+        return self.obs + ((Leaf(IS_INIT, (), "bool"),) if self.recurrent else ())
 
     def _sizes(self) -> list[int]:
-        leaves = self.obs + self.act + self.extras
+        leaves = self.requests + self.act + self.extras
         return [self.seats * self.rows * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
                 for leaf in leaves]
 
@@ -74,12 +81,12 @@ class ServerLayout:
         the extra leaves (each ``[seats, rows, ...]``) and the versions (``[seats]``)."""
         out: list[np.ndarray] = []
         pos = 0
-        for leaf, n in zip(self.obs + self.act + self.extras, self._sizes()):
+        for leaf, n in zip(self.requests + self.act + self.extras, self._sizes()):
             out.append(np.frombuffer(buf, leaf.np_dtype, n // leaf.np_dtype.itemsize, pos)
                        .reshape((self.seats, self.rows) + leaf.shape))
             pos += _aligned(n)
         versions = np.frombuffer(buf, np.int64, self.seats, pos)
-        k, a = len(self.obs), len(self.act)
+        k, a = len(self.requests), len(self.act)
         return out[:k], out[k : k + a], out[k + a :], versions
 
 
@@ -91,6 +98,7 @@ class RemoteRunner:
     uses_torch = False
     model = None  # no weights here: the server runs the user's own policy object
     remote = True
+    is_init: np.ndarray | None = None  # a recurrent policy: the rows that start an episode (sent with a request)
 
     def __init__(self, env_actions: Any, num_envs: int) -> None:
         self.env_actions = env_actions  # the arrays as each env's step takes them
@@ -106,6 +114,8 @@ class RemoteRunner:
     def connect(self, layout: ServerLayout, mapping: Any, seat: int, req_fd: int, resp_fd: int, sock: Any) -> None:
         obs, act, extras, versions = layout.arrays(mapping)
         self.req = [a[seat] for a in obs]
+        if layout.recurrent:  # (a replacement's envs start afresh: every row starts an episode)
+            self.init_req, self.is_init = self.req.pop(), np.ones(self.num_envs, bool)
         self.actions = [a[seat] for a in act]
         self.extras = [a[seat] for a in extras]
         self.extra_leaves = list(layout.extras)
@@ -132,6 +142,9 @@ class RemoteRunner:
     def _request(self, obs: list[np.ndarray]) -> None:
         for dst, src in zip(self.req, obs):
             np.copyto(dst, src)
+        if self.is_init is not None:
+            np.copyto(self.init_req, self.is_init)
+            self.is_init[:] = False
         os.eventfd_write(self.req_fd, REQUEST)
 
     def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:

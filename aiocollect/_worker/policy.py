@@ -37,6 +37,7 @@ class PolicySpec:
     in_keys: tuple[Key, ...] = (("observation",),)
     out_keys: tuple[Key, ...] = (("action",),)
     exploration_type: str = "random"
+    state: tuple[Leaf, ...] = ()  # recurrent_state: the state a TensorDict policy carries (see .recurrent)
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -66,9 +67,10 @@ def _simple_tensordict_module(obj: Any) -> bool:
     )
 
 
-def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
-    """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory)."""
-    if _simple_tensordict_module(obj):
+def classify(obj: Any, recurrent: bool = False) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
+    """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory); a
+    ``recurrent`` one is never unwrapped (it reads its state from the TensorDict)."""
+    if not recurrent and _simple_tensordict_module(obj):
         return ("module", obj.module, tuple(as_key(k) for k in obj.in_keys), tuple(as_key(k) for k in obj.out_keys))
     td_nn = sys.modules.get("tensordict.nn")
     nn = _torch_nn()
@@ -84,18 +86,39 @@ def classify(obj: Any) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
     )
 
 
-def describe(policy: Any, policy_factory: Any, exploration_type: str) -> PolicySpec:
-    """Parent side: the :class:`PolicySpec` sent to workers."""
+def describe(policy: Any, policy_factory: Any, exploration_type: str, state: tuple[Leaf, ...] = ()) -> PolicySpec:
+    """Parent side: the :class:`PolicySpec` sent to workers (``state``: ``recurrent_state``'s leaves)."""
     from .._core import pickling as _pickling
 
     if policy_factory is not None:
-        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type)
+        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type, state=state)
     if policy is None:
         return PolicySpec("random", exploration_type=exploration_type)
-    kind, fn, in_keys, out_keys = classify(policy)
+    kind, fn, in_keys, out_keys = classify(policy, is_recurrent(policy, state))
     if kind == "module":
         return PolicySpec("module", _pickling.dumps(fn), in_keys, out_keys, exploration_type)
-    return PolicySpec("tensordict", _pickling.dumps(fn), exploration_type=exploration_type)
+    return PolicySpec("tensordict", _pickling.dumps(fn), exploration_type=exploration_type, state=state)
+
+
+def is_recurrent(policy: Any, state: tuple[Leaf, ...]) -> bool:
+    """Whether ``policy`` carries a state: declared (``state``), or TorchRL's primer on a module."""
+    from .recurrent import has_primer
+
+    return bool(state) or (policy is not None and has_primer(policy))
+
+
+def check_recurrent_policy(policy: Any, state: tuple[Leaf, ...]) -> None:
+    """``recurrent_state`` needs a TensorDict policy: a plain module (observation tensor in,
+    action out) has nowhere to read its state from, nor to write it to."""
+    if not state or policy is None or classify(policy, recurrent=True)[0] == "tensordict":
+        return
+    keys = [".".join(leaf.key) for leaf in state]
+    raise ConfigTypeError(
+        f"recurrent_state={ {k: leaf.shape for k, leaf in zip(keys, state)} } needs a TensorDict policy, but the policy "
+        f"is a plain {type(policy).__name__} (observation tensor in, action out): wrap it in a "
+        f"tensordict.nn.TensorDictModule with in_keys=['observation', {', '.join(map(repr, keys))}, 'is_init'] and "
+        f"out_keys=['action', {', '.join(repr(('next', k)) for k in keys)}], or drop recurrent_state"
+    )
 
 
 # -- runners (worker side, or in-process for the local backend) ----------------------------------
@@ -415,7 +438,7 @@ class TensorDictRunner(_TorchRunner):
     """A callable taking and returning a TensorDict of batch size ``[num_envs]``, run under
     tensordict's interaction type ``exploration_type``."""
 
-    def __init__(self, policy: Callable, exploration_type: str, *args: Any) -> None:
+    def __init__(self, policy: Callable, exploration_type: str, *args: Any, state: tuple[Leaf, ...] = ()) -> None:
         super().__init__(*args)
         import torch
 
@@ -427,8 +450,28 @@ class TensorDictRunner(_TorchRunner):
         from tensordict.nn import InteractionType
 
         self.policy = policy
-        self.model = policy if isinstance(policy, torch.nn.Module) else None
+        # (a simple TensorDictModule's weights are its inner module's, as update_weights unwraps it)
+        inner = getattr(policy, "module") if _simple_tensordict_module(policy) else policy
+        self.model = inner if isinstance(inner, torch.nn.Module) else None
         self.interaction = InteractionType(exploration_type)
+        from .recurrent import RecurrentMemory, primer_leaves
+
+        leaves = state or primer_leaves(policy)
+        # recurrent: the carried state (the inference server shares one over its passes: ``state_rows``
+        # are the rows of a pass, ``state_init`` their is_init flags from the workers' requests)
+        self.memory = RecurrentMemory(leaves, self.num_envs) if leaves else None
+        self.is_init = None if self.memory is None else self.memory.is_init  # (the rollout marks episode starts)
+        self.state_rows: Any = None
+        self.state_init: np.ndarray | None = None
+
+    def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
+        if self.memory is None:
+            return super().probe(obs)
+        kept = self.memory.saved()  # (the probe's step is not one of the run's)
+        try:
+            return super().probe(obs)
+        finally:
+            self.memory.restore(kept)
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
         import torch
@@ -438,6 +481,10 @@ class TensorDictRunner(_TorchRunner):
         td = TensorDict({}, batch_size=[self.num_envs])
         for key, arr in zip(self.obs_keys, obs):
             td.set(key, self._from_numpy(arr))
+        memory = self.memory
+        if memory is not None:
+            for key, arr in memory.inputs(self.state_rows, self.state_init):
+                td.set(key, self._from_numpy(arr))  # (on CUDA: staged as the observations are)
         with torch.no_grad(), set_interaction_type(self.interaction):
             out = self.policy(td)
         if out is None:
@@ -448,7 +495,10 @@ class TensorDictRunner(_TorchRunner):
                 f"(or None after writing into it); a plain nn.Module taking the observation tensor is "
                 f"wrapped automatically"
             )
-        return {as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
+        outputs = {as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
+        if memory is not None:
+            memory.carry(outputs, self.state_rows, _numpy)
+        return outputs
 
 
 def build_runner(
@@ -470,13 +520,21 @@ def build_runner(
         from .inference_client import RemoteRunner
 
         return RemoteRunner(EnvActions(act_space, act_leaves), num_envs)
-    if local_policy is not None:
-        kind, payload, in_keys, out_keys = classify(local_policy)
-    elif kind == "factory":
-        kind, payload, in_keys, out_keys = classify(cloudpickle.loads(spec.payload)())
+    if local_policy is not None or kind == "factory":
+        obj = local_policy if local_policy is not None else cloudpickle.loads(spec.payload)()
+        check_recurrent_policy(obj, spec.state)
+        kind, payload, in_keys, out_keys = classify(obj, is_recurrent(obj, spec.state))
     else:
         payload = cloudpickle.loads(spec.payload)
-    common = (act_space, act_leaves, obs_leaves, num_envs)
+    return make_runner(kind, payload, in_keys, out_keys, spec.exploration_type, (act_space, act_leaves, obs_leaves, num_envs),
+                       spec.state)
+
+
+def make_runner(
+    kind: str, fn: Any, in_keys: tuple[Key, ...], out_keys: tuple[Key, ...], exploration_type: str, common: tuple,
+    state: tuple[Leaf, ...] = (),
+) -> Any:
+    """The runner of a classified policy (``common``: action space, action and observation leaves, rows)."""
     if kind == "module":
-        return ModuleRunner(payload, in_keys, out_keys, *common)
-    return TensorDictRunner(payload, spec.exploration_type, *common)
+        return ModuleRunner(fn, in_keys, out_keys, *common)
+    return TensorDictRunner(fn, exploration_type, *common, state=state)

@@ -15,6 +15,7 @@ import gymnasium as gym
 import numpy as np
 
 from .._core.datachecks import ActionBounds, ActionGuard, check_reward, check_value, first_nonfinite, short
+from .decorrelate import decorrelate, decorrelation_draws
 from .envs import add_envs, close_envs
 from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
@@ -27,8 +28,8 @@ from .._core.wire import NO_EPISODES, BatchInfo, Episodes
 class RolloutConfig:
     """Settings one worker's rollout needs (picklable, sent to each worker)."""
 
-    env_fn: Any  # a gymnasium id (str) or a callable returning a gymnasium.Env
-    env_kwargs: dict
+    env_fn: Any  # a gymnasium id (str) or a callable returning a gymnasium.Env; or a tuple of one per env
+    env_kwargs: dict | tuple[dict, ...]  # (a tuple: one per env of the worker)
     policy: PolicySpec
     worker: int
     envs_per_worker: int
@@ -49,6 +50,8 @@ class RolloutConfig:
     ahead: bool = False  # server inference: ask for the next step's actions as soon as its obs are final
     cpus: tuple[int, ...] | None = None  # worker_cpus: the CPUs this worker runs on (None: the kernel's choice)
     one_hot_actions: bool = False  # categorical_action_encoding=False: a Discrete action stored one-hot
+    decorrelation_steps: int = 0  # max_decorrelation_steps: random steps of each env before the first batch
+    env_fn_index: tuple[int, ...] | None = None  # per env of the worker: its factory's index in create_env_fn
 
 
 def derived_seed(seed: int, env: int, restart: int) -> int:
@@ -217,7 +220,7 @@ class Rollout:
         try:
             self.obs_space, self.act_space = add_envs(
                 self.envs, cfg.envs_per_worker - len(self.envs), cfg.env_fn, cfg.env_kwargs, f"worker {cfg.worker}",
-                cfg.registry,
+                cfg.registry, cfg.env_fn_index,
             )
             self._setup(local_policy)
         except BaseException:
@@ -243,6 +246,15 @@ class Rollout:
             obs, _ = env.reset(seed=seed)
             self._set_obs(i, obs, checked=True)
         self._build_policy(local_policy, E, cfg.total_envs)
+        self._decorrelate()
+
+    def _decorrelate(self) -> None:
+        """``max_decorrelation_steps``: each env's random steps before the first batch (see
+        :mod:`aiocollect._worker.decorrelate`); also in a replacement worker, whose envs start anew."""
+        cfg = self.cfg
+        if cfg.decorrelation_steps:
+            draws = decorrelation_draws(cfg.seed, self.env_ids, cfg.restart, cfg.decorrelation_steps, self.act_space)
+            decorrelate(self, *draws)
 
     def _layout(self, check_finite: bool, one_hot_actions: bool) -> None:
         """The observation's and action's leaves, and how observations are checked and written."""
@@ -347,6 +359,8 @@ class Rollout:
                 "weights": None if self.weights is None else self.weights.layout}
         if self.runner.remote:  # the server builds the policy's runner for this action space
             spec["act_space"] = self.act_space
+        if self.cfg.env_fn_index is not None:  # factories of their own: the spaces are compared as they are
+            spec["spaces"] = (self.obs_space, self.act_space)
         return spec
 
     def add_store(self, store: Any) -> None:
@@ -449,6 +463,7 @@ class Rollout:
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
         guard, check_finite, hb, idle = self.guard, cfg.check_finite, self.heartbeat, self.idle
+        is_init = getattr(self.runner, "is_init", None)  # a recurrent policy's: rows starting an episode
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
@@ -477,6 +492,8 @@ class Rollout:
             if check_finite:
                 self._check_finite(nxt, rew_t)
             self._end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
+            if is_init is not None:  # (the rows that ended start an episode at the next step)
+                np.logical_or(is_init, done_t, out=is_init)
             if cfg.ahead and t + 1 < T and self.steps >= self.random_calls:
                 self.runner.ahead(cur)  # (worker_groups: computed while the other group steps)
             if idle is not None and idle.all():
@@ -489,6 +506,10 @@ class Rollout:
         self.timing = {"env": env_time, "policy": policy_time}
         stage.into_slot(views, self.obs_leaves, self.act_leaves + self.extra_leaves)
         views[("collector", "policy_version")][...] = versions
+        fn_index = views.get(("collector", "env_fn_index"))
+        if fn_index is not None:  # (a list of create_env_fn: each row's factory; a vector env's sub-envs share it)
+            per_env = np.asarray(cfg.env_fn_index, np.int64)
+            fn_index[...] = np.repeat(per_env, self.rows // len(per_env))[:, None]
         write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
         write_step_counts(views, stage.done.T, first_step - first_start)
         self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
@@ -575,6 +596,13 @@ class Rollout:
                 hb.begin(RESET, int(self.env_ids[i]))
             obs, _ = env.reset()
             self._set_obs(i, obs)
+        self.mark_init(slice(None))
+
+    def mark_init(self, rows: Any) -> None:
+        """The rows ``rows`` start an episode at their next step (a recurrent policy's state starts afresh)."""
+        is_init = getattr(self.runner, "is_init", None)
+        if is_init is not None:
+            is_init[rows] = True
 
     @property
     def episodes(self) -> Episodes:

@@ -54,7 +54,7 @@ from .._core.registry import install as install_registry
 from .vecenv import _SAME, VecEnv, is_vector
 if TYPE_CHECKING:
     from .groups import GroupedRollout
-from .envs import close_envs, create_env, make_env
+from .envs import close_envs, create_env, made_by, make_env
 from .rollout import Rollout, RolloutConfig, derived_seed
 
 def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | GroupedRollout":
@@ -145,7 +145,7 @@ class VectorRollout(Rollout):
             self.vecs: list[VecEnv] = []
             for c in range(cfg.envs_per_worker):
                 if c >= len(self.envs):
-                    self.envs.append(create_env(cfg.env_fn, cfg.env_kwargs))
+                    self.envs.append(create_env(cfg.env_fn, cfg.env_kwargs, c))
                 self.vecs.append(self._check(c, self.envs[c]))
             self._setup(local_policy)
         except BaseException:
@@ -153,7 +153,7 @@ class VectorRollout(Rollout):
             raise
 
     def _check(self, c: int, env: Any) -> VecEnv:
-        who = f"env {c} of worker {self.cfg.worker}"
+        who = f"env {c} of worker {self.cfg.worker}{made_by(self.cfg.env_fn_index, c)}"
         if not is_vector(env):
             raise SpecError(
                 f"create_env_fn returned a vector env for env 0 of worker {self.cfg.worker} but {type(env).__name__} "
@@ -165,8 +165,8 @@ class VectorRollout(Rollout):
             if (vec.n, vec.obs_space, vec.act_space, vec.mode) != (first.n, first.obs_space, first.act_space, first.mode):
                 raise SpecError(
                     f"{who} has num_envs={vec.n}, spaces {vec.obs_space}, {vec.act_space} and autoreset mode "
-                    f"{vec.mode}, but env 0 has num_envs={first.n}, {first.obs_space}, {first.act_space}, "
-                    f"{first.mode}: all vector envs must agree"
+                    f"{vec.mode}, but env 0{made_by(self.cfg.env_fn_index, 0)} has num_envs={first.n}, {first.obs_space}, "
+                    f"{first.act_space}, {first.mode}: all vector envs must agree"
                 )
         return vec
 
@@ -228,6 +228,7 @@ class VectorRollout(Rollout):
         self._build_policy(local_policy, E, self.total_rows)
         if hasattr(self.runner, "env_actions"):
             self.runner.env_actions = _ArrayActions()  # the env takes arrays: no per-env list
+        self._decorrelate()
 
     def _seeds(self) -> list[int | None]:
         cfg = self.cfg

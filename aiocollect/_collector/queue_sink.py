@@ -1,0 +1,109 @@
+"""Delivery into a queue the user owns: ``start(queue=...)``.
+
+A :class:`QueueSink` puts each batch into an ``asyncio.Queue`` (``await put``), an anyio object
+send stream or a trio send channel (``await send``), from the run's drain task, so a full queue
+holds the collector as a slow replay buffer does. When the delivery ends (``total_frames``
+reached, a failure, ``aclose()``) :meth:`QueueSink.end` closes the user's side: the stream or
+channel is closed (its receivers' ``async for`` ends once they took what is buffered), an
+``asyncio.Queue`` is shut down where Python has ``Queue.shutdown`` (3.13+).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue as thread_queue
+import sys
+from typing import Any, Awaitable, Callable
+
+import anyio
+
+from .._core.errors import ConfigError
+from .._service.resource import loop_token
+
+# the kinds of queue: put() into an asyncio.Queue, send() into an anyio stream or a trio channel
+_ASYNCIO, _STREAM = "asyncio.Queue", "send stream"
+
+
+class QueueSink:
+    """The sink the drain task writes into (``extend``), for a user's queue."""
+
+    def __init__(self, queue: Any, kind: str, close_queue: bool) -> None:
+        self.queue = queue
+        self.kind = kind
+        self.close_queue = close_queue
+        self._put: Callable[[Any], Awaitable[Any]] = queue.put if kind == _ASYNCIO else queue.send
+
+    async def extend(self, batch: Any) -> None:
+        await self._put(batch)  # (a full queue waits here: backpressure; aclose() cancels it)
+
+    async def end(self) -> None:
+        """The delivery ended: close the user's side (where asked and possible). Runs shielded:
+        it also ends a delivery that ``aclose()`` cancelled."""
+        if not self.close_queue:
+            return
+        if self.kind == _ASYNCIO:
+            if hasattr(self.queue, "shutdown"):  # Python 3.13+
+                self.queue.shutdown()
+        elif callable(getattr(self.queue, "close", None)):  # anyio's and trio's memory streams
+            self.queue.close()
+        else:
+            with anyio.CancelScope(shield=True):
+                await self.queue.aclose()
+
+
+def sink_for(replay_buffer: Any, queue: Any, close_queue: bool) -> Any:
+    """What ``start(replay_buffer=..., queue=..., close_queue=...)`` writes into (``None``: no
+    background delivery). Raises :class:`ConfigError` for both, a queue of an unknown kind, or
+    a queue that cannot run on the current event loop."""
+    if not isinstance(close_queue, bool):
+        raise ConfigError(f"close_queue={close_queue!r} must be True or False")
+    if queue is None:
+        return replay_buffer
+    if replay_buffer is not None:
+        raise ConfigError(
+            f"start() got both replay_buffer={replay_buffer!r:.60} and queue={queue!r:.60}: batches go to one of "
+            f"them; pass one (a consumer of the queue can extend a buffer itself)"
+        )
+    kind = _kind_of(queue)
+    library = "asyncio" if isinstance(loop_token(), asyncio.AbstractEventLoop) else "trio"
+    if kind == _ASYNCIO and library != "asyncio":
+        raise ConfigError(
+            f"queue={queue!r:.60} is an asyncio.Queue, which needs an asyncio event loop, but this runs on {library}: "
+            f"pass an anyio memory object stream (anyio.create_memory_object_stream) or a trio memory channel"
+        )
+    if kind == _STREAM and type(queue).__module__.startswith("trio") and library != "trio":
+        raise ConfigError(
+            f"queue={queue!r:.60} is a trio channel, which needs trio, but this runs on {library}: pass an "
+            f"anyio memory object stream (anyio.create_memory_object_stream), which works on every loop"
+        )
+    return QueueSink(queue, kind, close_queue)
+
+
+def _kind_of(queue: Any) -> str:
+    if isinstance(queue, asyncio.Queue):
+        return _ASYNCIO
+    if isinstance(queue, thread_queue.Queue):
+        raise ConfigError(
+            f"queue={queue!r:.60} is a thread queue, whose put() would block the event loop: pass an asyncio.Queue, "
+            f"an anyio memory object stream or a trio memory channel (a thread can read an anyio stream through "
+            f"anyio.from_thread)"
+        )
+    if _is_send_stream(queue):
+        return _STREAM
+    raise ConfigError(
+        f"queue={queue!r:.60} is not a queue the collector can put batches into: pass an asyncio.Queue "
+        f"(await put), the send side of anyio.create_memory_object_stream() or of trio.open_memory_channel() "
+        f"(await send)"
+    )
+
+
+def _is_send_stream(queue: Any) -> bool:
+    from anyio.abc import ObjectSendStream
+
+    if isinstance(queue, ObjectSendStream):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(queue, trio.abc.SendChannel)
+
+
+__all__ = ["QueueSink", "sink_for"]
