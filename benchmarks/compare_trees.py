@@ -39,9 +39,13 @@ def ratios(data: Any, path: tuple[str, ...] = ()) -> dict[str, float]:
     if isinstance(data, dict):
         ratio = data.get("ratio_to_limit", data.get("ratio"))
         name = data.get("name")
-        if isinstance(name, str) and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
-            found[" / ".join((*path, name))] = float(ratio)
-            return found
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+            if isinstance(name, str):
+                found[" / ".join((*path, name))] = float(ratio)
+                return found
+            if path:  # (results keyed by their setup's name: --sliced runs)
+                found[" / ".join(path)] = float(ratio)
+                return found
         for key, value in data.items():
             named = isinstance(value, dict) and value.get("name") == key  # (results keyed by their name)
             found.update(ratios(value, path if key == "results" or named else (*path, str(key))))

@@ -304,8 +304,12 @@ def plot_weight_sync(data: Mapping[str, Any], fig: Any) -> None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     args = data.get("args", {})
-    title(fig, "weight_sync.py", caption(data, f"{args.get('workers', '?')} workers, {args.get('n', '?')} updates per "
-                                         f"series" + (" (a short run, not a measurement)" if args.get("n", 30) < 10 else "")))
+    updates = f"{args.get('n', '?')} updates per series"
+    if "n_big" in args:  # (the big model's series are shorter)
+        updates = f"{args['n']} updates per series of the small model, {args['n_big']} of the big one"
+    short = args.get("n", 30) < 10
+    title(fig, "weight_sync.py", caption(data, f"{args.get('workers', '?')} workers, {updates}"
+                                         + (" (a short run, not a measurement)" if short else "")))
 
 
 PLOTTERS: dict[str, tuple[Callable[[Mapping[str, Any], Any], None], tuple[float, float]]] = {

@@ -60,15 +60,16 @@ def rendering_env(**kwargs):
     return RenderingEnv(episode_length=LENGTH, **kwargs)
 
 
-def read_mp4(path):
-    """The frames of an mp4 file, ``uint8 [T, H, W, 3]`` (imageio-ffmpeg's reader, run to its end)."""
+def read_mp4(path, height=H, width=W):
+    """The frames of an mp4 file of ``height x width`` frames, ``uint8 [T, H, W, 3]``, decoded by the
+    ffmpeg that imageio-ffmpeg ships (its own frame readers leave their pipes open)."""
+    import subprocess
+
     import imageio_ffmpeg
 
-    reader = imageio_ffmpeg.read_frames(path)
-    meta = next(reader)
-    width, height = meta["size"]
-    frames = [np.frombuffer(frame, np.uint8).reshape(height, width, 3) for frame in reader]
-    return np.stack(frames)
+    proc = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "rawvideo",
+                           "-pix_fmt", "rgb24", "-"], capture_output=True, check=True, timeout=60)
+    return np.frombuffer(proc.stdout, np.uint8).reshape(-1, height, width, 3)
 
 
 def check_frames(frames, count=LENGTH + 1):
@@ -166,3 +167,34 @@ async def test_a_worker_replaced_after_a_crash_records_the_rerun_evaluation(tmp_
             metrics = await ev.evaluate()
     check_frames(metrics["video"])
     assert len(restarts) == (on_worker_failure == "restart")
+
+
+@needs_extra
+@pytest.mark.loops("asyncio")
+@pytest.mark.timeout(120)
+async def test_a_user_records_cartpole_as_frames_and_as_an_mp4(tmp_path):
+    """gymnasium's own CartPole, rendered by pygame (``gymnasium[classic-control]``): the first
+    episode of an evaluation as frames, then as a file, both of its length plus one."""
+    pytest.importorskip("pygame")
+    import torch
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def forward(self, observation):
+            return self.net(observation).argmax(-1)
+
+    policy = Greedy()
+    kwargs = dict(num_trajectories=2, seed=3, record_video=True, env_kwargs={"render_mode": "rgb_array"})
+    with anyio.fail_after(100):
+        async with Evaluator("CartPole-v1", policy, **kwargs) as ev:
+            frames = (await ev.evaluate(step=1))["video"]
+        async with Evaluator("CartPole-v1", policy, video_dir=tmp_path, **kwargs) as ev:
+            path = (await ev.evaluate(step=1))["video"]
+    assert frames.dtype == np.uint8 and frames.shape[1:] == (400, 600, 3) and 2 <= len(frames) <= 501
+    assert frames.std() > 0  # a picture, not a blank
+    written = read_mp4(path, 400, 600)
+    assert written.shape == frames.shape  # the same seed: the same first episode
+    assert np.abs(written.astype(np.int16) - frames).mean() < 8  # (lossy)
