@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from typing import Iterator
 
 
 def child_env(*front: object) -> dict[str, str]:
@@ -42,3 +44,20 @@ def ctrl_c(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"Ctrl-C did not end the script in {timeout:g} s; its output:\n{out}\nits stderr:\n{err}")
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A local Ray instance of 2 CPUs, unless one runs already (then that one, left running). The
+    actors find the tests' modules (they unpickle envs and policies defined in them by name)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

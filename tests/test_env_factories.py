@@ -17,6 +17,8 @@ from aiocollect import AiocollectError, Collector, ConfigError
 from aiocollect.events import WorkerRestarted
 from aiocollect.testing import CountingEnv
 
+from procs import local_ray
+
 LENGTHS = (3, 4, 5, 7)  # episode lengths of the factories: a row's episodes tell which factory made its env
 KEY = ("collector", "env_fn_index")
 
@@ -180,15 +182,9 @@ async def test_factories_whose_spaces_differ_are_refused_at_start(per):
 
 @pytest.fixture
 def ray_instance():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        here = os.path.dirname(os.path.abspath(__file__))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": here}})
-    yield
-    if started:
-        ray.shutdown()
+    pytest.importorskip("ray")
+    with local_ray():
+        yield
 
 
 @pytest.mark.timeout(150)

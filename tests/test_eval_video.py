@@ -176,15 +176,7 @@ async def test_a_user_records_cartpole_as_frames_and_as_an_mp4(tmp_path):
     """gymnasium's own CartPole, rendered by pygame (``gymnasium[classic-control]``): the first
     episode of an evaluation as frames, then as a file, both of its length plus one."""
     pytest.importorskip("pygame")
-    import torch
-
-    class Greedy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def forward(self, observation):
-            return self.net(observation).argmax(-1)
+    from test_user_programs import Greedy
 
     policy = Greedy()
     kwargs = dict(num_trajectories=2, seed=3, record_video=True, env_kwargs={"render_mode": "rgb_array"})

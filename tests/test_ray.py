@@ -28,6 +28,8 @@ from aiocollect import BrokenWorkerError, Collector, ConfigError, WorkerError, W
 from aiocollect import events as ev  # noqa: E402
 from aiocollect.testing import CountingEnv, InjectedFailure  # noqa: E402
 
+from procs import local_ray  # noqa: E402
+
 # Ray's actors cost seconds to start: most tests run on asyncio only; the complete user program
 # runs on asyncio, uvloop and trio (the only loop-specific code: Ray's thread waking the loop).
 pytestmark = [pytest.mark.timeout(120), pytest.mark.loops("asyncio")]
@@ -36,15 +38,8 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.loops("asyncio")]
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
     """One local Ray instance for the module (2 CPUs: one per actor of most tests)."""
-    started = not ray.is_initialized()
-    if started:
-        # (the actors unpickle envs and policies defined in this module: they import it by name)
-        here = os.path.dirname(os.path.abspath(__file__))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": here}})
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 def _ours_alive() -> list[str]:

@@ -25,6 +25,8 @@ from tensordict.nn import TensorDictModule
 
 from aiocollect import Collector, ConfigError, Evaluator, SpecError
 
+from procs import local_ray
+
 DELAY = 3
 STATE = {"recurrent_state": (DELAY,)}
 
@@ -187,16 +189,9 @@ async def test_a_restarted_worker_starts_its_envs_from_zero_state():
 @pytest.mark.loops("asyncio")
 async def test_ray_actors_carry_the_state():
     """backend="ray" runs the same worker code: the same checks hold."""
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:  # (the actors unpickle this module's env and policy: they import it by name)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
-    try:
+    pytest.importorskip("ray")
+    with local_ray():
         await collect_checked(batches=3, num_workers=2, envs_per_worker=2, backend="ray")
-    finally:
-        if started:
-            ray.shutdown()
 
 
 async def test_a_primer_declares_the_state_without_recurrent_state():
