@@ -61,7 +61,8 @@ class CollectorStarted(Event):
 
 @_event
 class CollectorStopped(Event):
-    """The workers are gone: ``reason`` is ``"closed"``, ``"total_frames"`` or ``"error"``."""
+    """The workers are gone: ``reason`` is ``"closed"``, ``"total_frames"``, ``"error"`` or
+    ``"queue_closed"`` (the queue of ``start(queue=...)`` had no receiver left, or was closed)."""
 
     reason: str
     frames: int

@@ -140,7 +140,7 @@ def test_a_missing_extra_is_said_at_construction_with_the_pip_line(monkeypatch, 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(video_dir="videos"), r"video_dir='videos' without record_video=True"),
+        (dict(video_dir="videos"), r"video_dir='videos' .*, so it needs record_video=True"),
         (dict(record_video=1), r"record_video=1"),
         (dict(record_video=True, video_fps=0), r"video_fps=0"),
         (dict(record_video=True, video_max_frames=0), r"video_max_frames=0"),

@@ -77,6 +77,20 @@ class BlockingMixin:
                 return
             yield batch
 
+    def iterator(self) -> Iterator["TensorDict"]:
+        """TorchRL's name for a plain ``for batch in collector`` (blocking, as :meth:`__iter__`)."""
+        return iter(self)
+
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> Any:
+        """TorchRL's name for :meth:`aclose`: ``await collector.shutdown()`` in async code; in
+        synchronous code it blocks as :meth:`close`. Closing twice is fine. ``timeout``,
+        ``close_env`` and ``raise_on_error`` are taken for TorchRL's signature: the workers get
+        the constructor's ``shutdown_timeout``, their envs are always closed, errors always raised."""
+        if loop_token() is not None:
+            return self.aclose()
+        self.close()
+        return None
+
     def update_policy_weights_(
         self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None, worker_ids: Any = None,
         model_id: str | None = None, weights_dict: Any = None, wait: bool = True, **kwargs: Any,

@@ -27,13 +27,30 @@ from .._worker.policy import PolicySpec, classify
 from .._core.profiling import ProfileConfig
 from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
 from .._service.front import Service, warn_unclosed
+from .._service.options import known_keywords
 from .stats import CollectorStats
+from .torchrl_names import TORCHRL_NAMES
 from .._worker.weights import check_weights
 from .weightsync import Updates, check_worker_ids, watch_for
 from .._core.public import public
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
     from tensordict import TensorDict
+
+
+OTHER_NAMES = {
+    "env": "pass the env id or factory first, or as create_env_fn=",
+    "env_fn": "pass the env id or factory first, or as create_env_fn=",
+    "env_kwargs": "use create_env_kwargs=",
+    "num_envs": "envs_per_worker= sets the envs of each worker (num_workers * envs_per_worker in all)",
+    "batch_size": "use frames_per_batch= (frames in each batch)",
+    "total_steps": "use total_frames=",
+    "max_episode_steps": "use max_frames_per_traj=",
+    "sync": "use delivery='sync' (each batch from every worker) or delivery='async' (the first one ready)",
+    "return_same_td": "zero_copy=True delivers views on the workers' shared memory, valid until the next batch",
+    **TORCHRL_NAMES,
+}
+"""Keywords a stranger may give the collector (other libraries' names) -> what to pass instead."""
 
 
 @public
@@ -116,13 +133,14 @@ class Collector(Service, BlockingMixin):
     _closed_error = CollectorClosedError
     _ended = "the collector stopped"
 
+    @known_keywords(CollectorConfig, OTHER_NAMES)
     def __init__(
         self,
         create_env_fn: Any,
         policy: Any = None,
         *,
         frames_per_batch: int,
-        total_frames: int = -1,
+        total_frames: int | None = -1,
         num_workers: int = 1,
         envs_per_worker: int = 1,
         delivery: str = "sync",
@@ -416,14 +434,16 @@ class Collector(Service, BlockingMixin):
         consumer tasks share one collector. A full queue holds the collector as a slow buffer
         does: ``collector.batches`` (counting a batch waiting to be put) is at most the queue's
         size plus one ahead of what your consumers took; the workers then stop once ``prefetch``
-        batches and their slots are full. When the delivery ends (``total_frames``, a failure, :meth:`aclose`,
+        batches and their slots are full. When the delivery ends (``total_frames``, a failure, a failed start, :meth:`aclose`,
         which cancels a pending put) the collector closes the queue if ``close_queue`` (the
         default): a stream or channel is closed, so its receivers' ``async for`` ends after the
         batches still in it; an ``asyncio.Queue`` is shut down (``get()`` raises
         ``asyncio.QueueShutDown`` once it is empty) where Python has ``Queue.shutdown`` (3.13+),
         else left open (stop its consumers yourself; ``len(collector)`` says how many batches
         come). Pass ``close_queue=False``, or a ``clone()`` of a stream, to keep it open. Errors
-        are raised by :meth:`aclose`, as with a replay buffer.
+        are raised by :meth:`aclose`, as with a replay buffer. A queue nobody can take from (its
+        receivers all closed, or closed or shut down by you) ends the delivery: the collector
+        stops as at ``total_frames``, and :meth:`aclose` raises nothing for it.
         """
         await self._run.start(sink_for(replay_buffer, queue, close_queue))
 
@@ -469,7 +489,7 @@ class Collector(Service, BlockingMixin):
                 "this collector writes its batches into a replay buffer or a queue (start(replay_buffer=...) or "
                 "start(queue=...)); sample from the buffer, or take from the queue, instead of collecting"
             )
-        batch = await run.collect()
+        batch = await run.consume()
         if run.shared.sync.watch is not None:
             run.shared.sync.watch.handed_out()
         return batch

@@ -14,14 +14,19 @@ from .._core.datachecks import ActionBounds
 from .._core.errors import ConfigError, user_stacklevel
 from .._core.limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed
 from .._service.options import (
+    POLICY_STATE,
     RAY_PLACES_ACTORS,
+    RESTART_OPTIONS,
     Needs,
+    as_whole_number,
     check_bool,
     check_choice,
     check_data_options,
     check_env_id,
+    check_int,
     check_needs,
     check_platform,
+    env_factory_fix,
     check_policy_args,
     check_recurrent_state,
     check_sendable_to_workers,
@@ -64,6 +69,12 @@ MODE_OPTIONS: tuple[Needs, ...] = (
                  "or killed; use num_workers>=1",
         None: "its workers are not watched for hangs; use backend='process' or 'ray', or drop it",
     }, label="backend"),
+    *RESTART_OPTIONS,
+    Needs("traj_format", "pad", "trajs_per_batch", None, "lays out the complete episodes of trajs_per_batch",
+          "pass trajs_per_batch=<episodes per batch> too, or drop traj_format (split_trajs always pads)"),
+    POLICY_STATE,
+    Needs("max_decorrelation_steps", 0, "reset_at_each_iter", (False,), "staggers the envs' episodes before the first "
+          "batch", "reset_at_each_iter=True resets every env at each batch, all in step again: drop one of them"),
 )
 """The collector's options that mean something only under another setting: each set without it
 is refused, naming both (checked in this order, once the settings themselves are valid)."""
@@ -91,8 +102,8 @@ class CollectorConfig:
     _: dataclasses.KW_ONLY  # the rest by keyword only, as Collector() and TorchRL's collectors take them
     frames_per_batch: int
     """Frames in each delivered batch; a multiple of the number of envs that fill it."""
-    total_frames: int = -1
-    """Frames to collect in all; ``-1`` collects forever. Not a multiple of ``frames_per_batch``:
+    total_frames: int = -1  # (None, as TorchRL, is taken as -1 when checked)
+    """Frames to collect in all; ``-1`` (or ``None``, as TorchRL) collects forever. Not a multiple of ``frames_per_batch``:
     rounded up to the next whole batch, with a warning (as TorchRL's collectors do)."""
     num_workers: int = 1
     """Worker processes (Ray actors with ``backend="ray"``); ``0`` runs the envs in the
@@ -116,9 +127,11 @@ class CollectorConfig:
     they must produce the same outputs, and :meth:`Collector.update_weights` with ``worker_ids``
     updates each one's weights)."""
     max_frames_per_traj: int | None = None
-    """Truncate episodes after this many frames (``("next", "truncated")`` is set)."""
+    """Truncate episodes after this many frames (``("next", "truncated")`` is set); ``None`` (or
+    TorchRL's ``-1``): no limit."""
     init_random_frames: int | None = None
-    """Frames (in all) collected with random actions before the policy is used."""
+    """Frames (in all) collected with random actions before the policy is used; ``None`` (or
+    TorchRL's ``-1``): none."""
     reset_at_each_iter: bool = False
     """Reset every env at the start of each batch."""
     split_trajs: bool = False
@@ -274,6 +287,11 @@ class CollectorConfig:
         return None if self.worker_cpus is None else self.worker_cpus[worker]
 
     @property
+    def policy_or_factory(self) -> Any:
+        """``policy``, or ``policy_factory`` where that builds it (``None``: random actions)."""
+        return self.policy if self.policy is not None else self.policy_factory
+
+    @property
     def backend_name(self) -> str:
         """``backend``'s name, with its default filled in."""
         return self.chosen_backend.name
@@ -310,7 +328,12 @@ class CollectorConfig:
         self._check_sizes()
         self._check_choices()
         self._check_backend_name()
+        for name in ("max_frames_per_traj", "init_random_frames"):  # TorchRL's -1: none (as None)
+            if type(getattr(self, name)) is int and getattr(self, name) == -1:
+                object.__setattr__(self, name, None)
         check_needs(self, MODE_OPTIONS)  # options that mean something only under another setting
+        if self.traj_format == "padded":  # TorchRL's spelling of the same layout (after the table: given, it is set)
+            object.__setattr__(self, "traj_format", "pad")
         self._check_backend()  # (after the table: its messages do not need the backend's package)
         self._check_placement()
         self._check_policy()
@@ -327,19 +350,23 @@ class CollectorConfig:
             check_env_id(fn)
         elif not callable(fn) and not listed(fn):  # (a list: checked with the numbers of workers and envs)
             raise ConfigError(
-                f"create_env_fn={fn!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env "
-                f"(nor a list of them, one per worker or per env)"
+                f"create_env_fn={fn!r:.200} is neither a gymnasium env id nor a callable returning a gymnasium.Env "
+                f"(nor a list of them, one per worker or per env); {env_factory_fix(fn)}"
             )
 
     def _check_sizes(self) -> None:
         """``frames_per_batch``, ``total_frames`` (rounded up to whole batches, as TorchRL does) and
         the numbers of workers and envs."""
         positive_int("frames_per_batch", self.frames_per_batch)
+        if self.total_frames is None:  # TorchRL's other spelling of "forever"
+            object.__setattr__(self, "total_frames", -1)
         if isinstance(self.total_frames, bool) or not isinstance(self.total_frames, int):
-            raise ConfigError(f"total_frames={self.total_frames!r} must be an int (-1 for endless)")
+            whole = as_whole_number(self.total_frames)
+            raise ConfigError(f"total_frames={self.total_frames!r} must be an int (-1 or None for endless)"
+                              + (f"; pass total_frames={whole}" if whole is not None else ""))
         if self.total_frames != -1:
             if self.total_frames <= 0:
-                raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 to collect forever")
+                raise ConfigError(f"total_frames={self.total_frames} must be positive, or -1 (or None) to collect forever")
             lower, upper = multiples_around(self.total_frames, self.frames_per_batch)
             if upper != self.total_frames:
                 # TorchRL's collectors warn and collect up to the next whole batch: so do we (a
@@ -359,12 +386,10 @@ class CollectorConfig:
         positive_int("envs_per_worker", self.envs_per_worker)
 
     def _check_choices(self) -> None:
-        """Options that are one of a few words (TorchRL's ``traj_format="padded"`` taken as ``"pad"``)."""
+        """Options that are one of a few words."""
         check_choice("delivery", self.delivery, ("sync", "async"))
         check_choice("inference", self.inference, ("worker", "server"))
         check_choice("traj_format", self.traj_format, ("pad", "padded", "cat"), "'pad' (or TorchRL's 'padded') or 'cat'")
-        if self.traj_format == "padded":  # TorchRL's spelling of the same layout
-            object.__setattr__(self, "traj_format", "pad")
         check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
         check_choice("server_priority", self.server_priority, ("normal", "idle"))
 
@@ -453,10 +478,11 @@ class CollectorConfig:
                 f"frames_per_batch={self.frames_per_batch} is not a multiple of the {envs} envs that fill "
                 f"each batch ({who}); {self.frames_per_batch_fix(envs)}"
             )
-        if self.max_frames_per_traj is not None:
-            positive_int("max_frames_per_traj", self.max_frames_per_traj)
-        if self.init_random_frames is not None:
-            positive_int("init_random_frames", self.init_random_frames, allow_zero=True)
+        for name, low in (("max_frames_per_traj", 1), ("init_random_frames", 0)):
+            value = getattr(self, name)
+            if value is not None:
+                below = type(value) is int and value < low
+                check_int(name, value, low, fix=f"pass {name}=None (or TorchRL's -1) for none" if below else "")
         positive_int("max_decorrelation_steps", self.max_decorrelation_steps, allow_zero=True)
 
     def _check_flags(self) -> None:

@@ -45,6 +45,8 @@ def _check_length(config: "CollectorConfig", name: str, value: tuple) -> None:
         raise ConfigError(
             f"{name} is a list of {len(value)} entries ({value!r:.200}); it must have as many as {_lengths(config)}; "
             f"pass a list of that length, or a single {'factory' if name == 'create_env_fn' else 'dict'} for every env"
+            + (f" (one per worker, as TorchRL's multi collectors: pass num_workers={len(value)})"
+               if config.num_workers and len(value) > config.num_workers else "")
         )
 
 

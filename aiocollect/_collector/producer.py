@@ -322,7 +322,9 @@ class Producer:
             flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
             for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
                 flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
-            return TensorDict(_nest(flat), batch_size=[E, T], names=[None, "time"])  # type: ignore[list-item]
+            # device "cpu", as TorchRL's batches say (measured: a few microseconds more per batch)
+            nested: Any = _nest(flat)
+            return TensorDict(nested, batch_size=[E, T], names=[None, "time"], device="cpu")  # type: ignore[list-item]
 
         if storing is not None:  # one copy to the device, in a thread (the loop runs on meanwhile)
             return await in_own_thread(lambda: build().to(storing), "aiocollect storing copy"), None, False

@@ -2,8 +2,11 @@
 
 A :class:`QueueSink` puts each batch into an ``asyncio.Queue`` (``await put``), an anyio object
 send stream or a trio send channel (``await send``), from the run's drain task, so a full queue
-holds the collector as a slow replay buffer does. When the delivery ends (``total_frames``
-reached, a failure, ``aclose()``) :meth:`QueueSink.end` closes the user's side: the stream or
+holds the collector as a slow replay buffer does. A queue nobody can take from any more (its
+receivers all closed, or the queue closed or shut down by its user) ends the delivery: the
+collector stops, as at ``total_frames``, and ``aclose()`` has nothing to raise. When the
+delivery ends (``total_frames`` reached, a failure, a start that failed or was cancelled,
+``aclose()``) :meth:`QueueSink.end` closes the user's side: the stream or
 channel is closed (its receivers' ``async for`` ends once they took what is buffered), an
 ``asyncio.Queue`` is shut down where Python has ``Queue.shutdown`` (3.13+).
 """
@@ -32,15 +35,23 @@ class QueueSink:
         self.kind = kind
         self.close_queue = close_queue
         self._put: Callable[[Any], Awaitable[Any]] = queue.put if kind == _ASYNCIO else queue.send
+        # set once the user's side ended the delivery: every receiver closed, the queue closed or
+        # shut down; the collector then stops as at total_frames (the consumer's choice, no error)
+        self.consumer_gone = False
+        self._ended = False
 
     async def extend(self, batch: Any) -> None:
-        await self._put(batch)  # (a full queue waits here: backpressure; aclose() cancels it)
+        try:
+            await self._put(batch)  # (a full queue waits here: backpressure; aclose() cancels it)
+        except _consumer_gone_errors():
+            self.consumer_gone = True
 
     async def end(self) -> None:
-        """The delivery ended: close the user's side (where asked and possible). Runs shielded:
-        it also ends a delivery that ``aclose()`` cancelled."""
-        if not self.close_queue:
+        """The delivery ended: close the user's side (where asked and possible), once. Runs
+        shielded: it also ends a delivery that ``aclose()`` cancelled, or that never began."""
+        if not self.close_queue or self._ended:
             return
+        self._ended = True
         if self.kind == _ASYNCIO:
             if hasattr(self.queue, "shutdown"):  # Python 3.13+
                 self.queue.shutdown()
@@ -95,6 +106,18 @@ def _kind_of(queue: Any) -> str:
         f"(await put), the send side of anyio.create_memory_object_stream() or of trio.open_memory_channel() "
         f"(await send)"
     )
+
+
+def _consumer_gone_errors() -> tuple[type[BaseException], ...]:
+    """What a put or send raises once nobody can take from the queue: its receivers were all
+    closed (``BrokenResourceError``), it was closed or shut down by its user."""
+    errors: list[type[BaseException]] = [anyio.BrokenResourceError, anyio.ClosedResourceError]
+    if hasattr(asyncio, "QueueShutDown"):  # Python 3.13+
+        errors.append(asyncio.QueueShutDown)
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        errors += [trio.BrokenResourceError, trio.ClosedResourceError]
+    return tuple(errors)
 
 
 def _is_send_stream(queue: Any) -> bool:

@@ -61,6 +61,7 @@ class Run:
         self.launching: anyio.CancelScope | None = None  # while the workers start
         self.recv: Any = None  # the consumer's side of the batch stream
         self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
+        self.consumers_waiting = 0  # the user's collect() calls waiting for a batch
         # causes that outlive the phases they ended
         self.loop_gone = False  # the event loop that ran it ended under it
         self.abandoned = False  # its Collector was garbage-collected
@@ -216,6 +217,23 @@ class Run:
                 pass
 
     # -- consuming ------------------------------------------------------------------------------
+    async def consume(self) -> "TensorDict":
+        """The user's :meth:`collect`: with ``zero_copy``, one consumer task at a time (taking a
+        batch hands the previous one back to the workers, whoever holds it)."""
+        if self.consumers_waiting and self.config.zero_copy:
+            raise AiocollectError(
+                f"zero_copy={self.config.zero_copy!r}: another task is already waiting for a batch of this collector "
+                f"(collect() or `async for`); with zero_copy=True each batch goes back to the workers as soon as the "
+                f"next one is asked for, so two consumer tasks would read each other's batches overwritten. Take "
+                f"batches in one task (and pass copies on), or leave zero_copy=False (the default), whose batches "
+                f"several tasks may share"
+            )
+        self.consumers_waiting += 1
+        try:
+            return await self.collect()
+        finally:
+            self.consumers_waiting -= 1
+
     async def collect(self, *, drain: bool = False) -> "TensorDict":
         s = self.shared
         if s.phase is Phase.CLOSED:
@@ -318,6 +336,9 @@ class Run:
                 result = sink.extend(batch)
                 if inspect.isawaitable(result):
                     await result
+                if isinstance(sink, QueueSink) and sink.consumer_gone:  # nobody takes from it now
+                    s.stop.set()
+                    return
             except BaseException as exc:
                 # (its frames hold the batch: a lent one would stay mapped while the error is kept)
                 traceback.clear_frames(exc.__traceback__)
@@ -425,6 +446,11 @@ class Run:
                 await stop_workers(s)
             await self._announce_stop()
         finally:
+            if isinstance(s.sink, QueueSink):  # (also a delivery that never began: a start failed or cancelled)
+                try:
+                    await s.sink.end()
+                except Exception as exc:  # noqa: BLE001 - the user's queue did not close: aclose() raises it
+                    s.errors.error = s.errors.error or exc
             self._end(launch_failed)
 
     async def _launch(self) -> None:
@@ -471,6 +497,8 @@ class Run:
     async def _announce_stop(self) -> None:
         s = self.shared
         reason = "error" if s.errors.error is not None else ("closed" if s.phase.closing else "total_frames")
+        if reason == "total_frames" and isinstance(s.sink, QueueSink) and s.sink.consumer_gone:
+            reason = "queue_closed"
         with anyio.CancelScope(shield=True):
             try:
                 await s.emit(ev.CollectorStopped, reason=reason, frames=s.counts.frames,

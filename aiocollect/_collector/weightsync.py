@@ -202,9 +202,10 @@ def torchrl_arguments(
             f"the module that has them); pass one"
         )
     source = next(iter(given.values()), None)
-    if isinstance(source, Mapping) and source and all(_index(k) is not None for k in source):
+    keys = list(source.keys()) if isinstance(source, Mapping) else []  # (a TensorDict has no truth value)
+    if keys and all(_index(k) is not None for k in keys):
         raise ConfigError(
-            f"update_policy_weights_() got {{worker index: weights}} (keys {list(source)[:4]}): per-worker weights "
+            f"update_policy_weights_() got {{worker index: weights}} (keys {keys[:4]}): per-worker weights "
             f"are published one worker at a time here; call update_policy_weights_(weights, worker_ids=[index]) for "
             f"each (or `await collector.update_weights(weights, worker_ids=[index])`)"
         )

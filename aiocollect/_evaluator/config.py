@@ -15,7 +15,9 @@ import numpy as np
 
 from .._core.datachecks import ActionBounds
 from .._service.options import (
+    POLICY_STATE,
     RAY_PLACES_ACTORS,
+    RESTART_OPTIONS,
     Needs,
     check_bool,
     check_choice,
@@ -30,6 +32,7 @@ from .._service.options import (
     check_policy_args,
     check_platform,
     check_recurrent_state,
+    env_factory_fix,
 )
 from .._core.errors import ConfigError
 from .._core.eval_wire import EvalWorkerConfig
@@ -45,6 +48,19 @@ EVALUATOR_MODE_OPTIONS: tuple[Needs, ...] = (
           "pass backend='ray' or drop it"),
     Needs("cpus", None, "backend", ("process",), "places the evaluator's worker process on CPUs",
           RAY_PLACES_ACTORS),
+    *RESTART_OPTIONS,
+    Needs("max_queued", 4, "busy_policy", ("queue",), "bounds the evaluations waiting behind the running one",
+          "only busy_policy='queue' keeps them waiting: pass it too, or drop max_queued"),
+    Needs("video_dir", None, "record_video", (True,), "is where the evaluation videos are written",
+          "pass record_video=True too, or drop video_dir"),
+    Needs("video_max_frames", 1000, "record_video", (True,), "bounds the frames of each evaluation video",
+          "pass record_video=True too, or drop video_max_frames"),
+    Needs("video_fps", 30, "video_dir", None, "is the frame rate of the video files written in video_dir",
+          "pass video_dir=<a folder> (with record_video=True) to write files, or drop video_fps (without video_dir "
+          "the frames come back in the metrics, with no frame rate)"),
+    Needs("video_prefix", "eval", "video_dir", None, "starts the names of the video files written in video_dir",
+          "pass video_dir=<a folder> (with record_video=True) to write files, or drop video_prefix"),
+    POLICY_STATE,
 )
 """The evaluator's options that mean something only under another setting."""
 
@@ -170,12 +186,12 @@ class EvaluatorConfig:
     evaluation's ``step``, or its number from 1 when none is given), made by the evaluator's
     worker (``pip install 'aiocollect[video]'``: imageio with ffmpeg). ``None``: frames in the metrics."""
     video_fps: int = 30
-    """Frames per second of the video files."""
+    """With ``video_dir``: frames per second of the video files."""
     video_max_frames: int | None = 1000
     """With ``record_video``: frames recorded at most (the episode runs on unrecorded past them);
     ``None``: the whole episode, however long."""
     video_prefix: str = "eval"
-    """The start of the video files' names."""
+    """With ``video_dir``: the start of the video files' names."""
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
@@ -184,8 +200,8 @@ class EvaluatorConfig:
             check_env_id(env, "env")
         elif not callable(env):
             raise ConfigError(
-                f"env={env!r} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
-                f"pass e.g. 'CartPole-v1' or lambda: gymnasium.make('CartPole-v1')"
+                f"env={env!r:.200} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
+                f"{env_factory_fix(env)}"
             )
         check_policy_args(self.policy, self.policy_factory)
         if self.policy_factory is not None and not callable(self.policy_factory):
@@ -221,6 +237,7 @@ class EvaluatorConfig:
         if self.step_timeout is not None:
             positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
         self._check_backend()
+        check_bool("record_video", self.record_video)
         check_needs(self, EVALUATOR_MODE_OPTIONS)
         if self.cpus is not None:
             from .._core.affinity import normalize_cpu_set
@@ -242,13 +259,7 @@ class EvaluatorConfig:
         self._check_video()
 
     def _check_video(self) -> None:
-        check_bool("record_video", self.record_video)
-        if self.video_dir is not None:
-            if not self.record_video:
-                raise ConfigError(
-                    f"video_dir={self.video_dir!r} without record_video=True: nothing would be written there; "
-                    f"pass record_video=True too"
-                )
+        if self.video_dir is not None:  # (with record_video: the table of options says so)
             if not isinstance(self.video_dir, (str, os.PathLike)):
                 raise ConfigError(f"video_dir={self.video_dir!r} must be a directory path (a str) or None")
             object.__setattr__(self, "video_dir", os.fspath(self.video_dir))
@@ -270,6 +281,11 @@ class EvaluatorConfig:
                 "default), or 'ray'"
             )
         check_choice("backend", self.backend, EVALUATOR_BACKENDS)
+
+    @property
+    def policy_or_factory(self) -> Any:
+        """``policy``, or ``policy_factory`` where that builds it (``None``: random actions)."""
+        return self.policy if self.policy is not None else self.policy_factory
 
     @property
     def chosen_backend(self) -> Any:

@@ -18,6 +18,7 @@ from .._core.errors import ConfigError, EvaluatorBusyError, EvaluatorClosedError
 from .config import EvaluatorConfig, EvaluatorState, check_request, weights_payload, worker_setup
 from .run import EvalRun, in_event_loop
 from .._service.front import Service, warn_unclosed
+from .._service.options import known_keywords
 from .._core.public import public
 
 __all__ = [
@@ -108,6 +109,14 @@ class Evaluator(Service):
     _closed_error = EvaluatorClosedError
     _ended = "the evaluator closed"
 
+    @known_keywords(EvaluatorConfig, {
+        "create_env_fn": "pass the env id or factory first, or as env=",
+        "create_env_kwargs": "use env_kwargs=",
+        "num_episodes": "use num_trajectories= (episodes per evaluation)",
+        "max_frames_per_traj": "use max_steps= (steps per episode at most)",
+        "num_workers": "the evaluator has one worker process; num_envs= sets the envs it steps",
+        "dump_video": "use record_video=True",
+    })
     def __init__(
         self,
         env: Any,

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
+import inspect
 import math
-from typing import Any, Mapping, Sequence
+import numbers
+from typing import Any, Callable, Mapping, Sequence
 
 from .._core.datachecks import ACTION_BOUNDS
-from .._core.errors import ConfigError
+from .._core.errors import ConfigError, ConfigTypeError
 from .._core.limits import max_worker_processes
 from .._worker.policy import EXPLORATION_TYPES
 
@@ -52,6 +55,16 @@ def check_env_id(env_id: str, argument: str = "create_env_fn") -> None:
     raise ConfigError(f"{argument}={env_id!r} is not a registered gymnasium env id{hint}")
 
 
+def env_factory_fix(value: Any) -> str:
+    """The way out for an env argument that is neither an id nor a callable: an env made already
+    (``gymnasium.make(...)``) is refused because each worker makes its own, so this names its id."""
+    if hasattr(value, "step") and hasattr(value, "reset"):
+        env_id = getattr(getattr(value, "spec", None), "id", None)
+        example = f"{env_id!r} or lambda: gymnasium.make({env_id!r})" if env_id else f"lambda: {type(value).__name__}(...)"
+        return f"that is an env made already, and each worker makes its own: pass its id or a factory, e.g. {example}"
+    return "pass e.g. 'CartPole-v1' or lambda: gymnasium.make('CartPole-v1')"
+
+
 def check_data_options(check_finite: Any, action_bounds: Any) -> None:
     """Validate the two data-check options (shared by the collector's and the evaluator's config)."""
     check_bool("check_finite", check_finite)
@@ -80,8 +93,24 @@ def check_bool(name: str, value: Any, *, fix: str = "", who: str = "") -> bool:
 def check_int(name: str, value: Any, low: int, high: int | None = None, *, fix: str = "", who: str = "") -> int:
     """``value``, an int from ``low`` (to ``high`` where given; never a bool), or :class:`ConfigError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        whole = as_whole_number(value)
+        if not fix and whole is not None and whole >= low and (high is None or whole <= high):
+            fix = f"pass {name}={whole} (a Python int, not {type(value).__name__})"
         raise _refuse(name, value, f"an int >= {low}" if high is None else f"an int from {low} to {high}", fix, who)
     return value
+
+
+def as_whole_number(value: Any) -> int | None:
+    """The int that ``value`` spells, where it is a float with no fraction (``1e6``, ``64.0``: a
+    config file's or a computation's number) or a str of digits (``"64"``: read from the command
+    line), else ``None``: for a message's fix, never to accept it silently."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):  # numpy's int64 ...
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return None
 
 
 def positive_int(name: str, value: Any, *, allow_zero: bool = False, fix: str = "", who: str = "") -> int:
@@ -109,7 +138,9 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], described: str =
         return value
     words = [repr(c) for c in choices]
     must = described or (words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}")
-    close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1) if isinstance(value, str) else []
+    words_only = [c for c in choices if isinstance(c, str)]
+    close = [c for c in words_only if isinstance(value, str) and c.lower() == value.strip().lower()]  # 'SYNC', ' sync'
+    close = close or (difflib.get_close_matches(value, words_only, n=1) if isinstance(value, str) else [])
     raise ConfigError(f"{name}={value!r} must be {must}" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
@@ -160,6 +191,78 @@ class Needs:
         fix = self.fix if isinstance(self.fix, str) else self.fix.get(actual, self.fix.get(None, ""))
         raise ConfigError(f"{self.option}={value!r:.200} {self.does}, so it needs {need}, but {label}={actual!r}"
                           + (f"; {fix}" if fix else ""))
+
+
+_RESTART = "on_worker_failure", ("restart",)
+_NO_RESTARTS = "with 'raise' the first failure ends the run: pass on_worker_failure='restart' too, or drop it"
+
+RESTART_OPTIONS = (
+    Needs("max_restarts", 3, *_RESTART, "bounds the replacements of failed workers", _NO_RESTARTS),
+    Needs("restart_window", 60.0, *_RESTART, "is the time over which max_restarts counts", _NO_RESTARTS),
+)
+"""The rows of the collector's and the evaluator's tables for the options of restarts."""
+
+POLICY_STATE = Needs(
+    "recurrent_state", None, "policy_or_factory", None, "is the state a recurrent policy carries from step to step",
+    "pass the recurrent TensorDict policy (policy= or policy_factory=), or drop recurrent_state (random actions "
+    "carry no state)", label="policy",
+)
+"""The row of ``recurrent_state``, which needs a policy (``policy_or_factory``: either one given)."""
+
+
+def known_keywords(config_class: type, synonyms: Mapping[str, str]) -> Callable[[Callable], Callable]:
+    """Wraps a class's ``__init__`` so that a keyword it does not take (a misspelt option, another
+    library's name) is a :class:`ConfigTypeError` (still a ``TypeError``, as Python's) that names
+    it, its value and the option meant: the closest of the class's own, or ``synonyms``'s entry
+    (another name -> how to say it here). ``config_class``: the dataclass that lists every option."""
+
+    def wrap(init: Callable) -> Callable:
+        parameters = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
+        names = [p.name for p in parameters]
+        positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) > len(positional):
+                raise too_many_positional(type(self).__name__, args, positional, names, config_class)
+            for key, value in kwargs.items():
+                if key not in names:
+                    raise unknown_keyword(type(self).__name__, key, value, names, synonyms, config_class)
+            init(self, *args, **kwargs)
+
+        return __init__
+
+    return wrap
+
+
+def unknown_keyword(
+    who: str, key: str, value: Any, names: Sequence[str], synonyms: Mapping[str, str], config_class: type
+) -> ConfigTypeError:
+    """The error for ``who(key=value)``, where ``who`` takes none of that name."""
+    if key in synonyms:
+        fix = f"{key} is not one of {who}'s options: {synonyms[key]}"
+    else:
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.7)
+        fix = f"did you mean {close[0]}={value!r:.60}?" if close else f"it is not one of {who}'s options"
+    return ConfigTypeError(
+        f"{who}() got an unexpected keyword argument {key}={value!r:.60}; {fix} "
+        f"(every option: help(aiocollect.{config_class.__name__}))"
+    )
+
+
+def too_many_positional(
+    who: str, args: Sequence[Any], positional: Sequence[str], names: Sequence[str], config_class: type
+) -> ConfigTypeError:
+    """The error for ``who(*args)`` with more than its ``positional`` arguments: the others are
+    keyword-only (as TorchRL's collectors take them), so it says how to pass the extra ones."""
+    extra = args[len(positional):]
+    keywords = [n for n in names if n not in positional]
+    meant = ", ".join(f"{name}={value!r:.60}" for name, value in zip(keywords, extra))
+    return ConfigTypeError(
+        f"{who}() takes {' and '.join(positional)} by position and every other option by keyword, but got "
+        f"{len(args)} positional arguments; pass the others by name (in the order of the signature: {meant}) "
+        f"(every option: help(aiocollect.{config_class.__name__}))"
+    )
 
 
 def check_needs(config: Any, table: Sequence[Needs]) -> None:

@@ -8,8 +8,6 @@ import threading
 from typing import Any, Callable, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 
 T = TypeVar("T")
 
@@ -79,7 +77,7 @@ async def in_own_thread(
     finish in its (daemon) thread; what ``fn`` returns is nobody's then: ``discard(result)`` is
     called on it (here, or in that thread when it returns)."""
     done = anyio.Event()
-    token = anyio.lowlevel.current_token()
+    loop = loop_token()
     failure: list[BaseException] = []
     result: list[T] = []
     lock = threading.Lock()
@@ -103,16 +101,12 @@ async def in_own_thread(
                 except Exception:  # noqa: BLE001 - nobody to report it to
                     pass
             return
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
-        except Exception:  # noqa: BLE001 - the loop is gone: nobody waits
-            pass
+        _wake_soon(loop, done.set)
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     if give_up_after is None:
-        with anyio.CancelScope(shield=True):  # the thread cannot be interrupted: wait for it
-            await done.wait()
+        await wait_shielded(done)  # the thread cannot be interrupted: wait for it (task.cancel() too)
     else:
         try:
             await done.wait()
@@ -132,6 +126,20 @@ async def in_own_thread(
     if failure:
         raise failure[0]
     return result[0]
+
+
+def _wake_soon(loop: Any, wake: Callable[[], Any]) -> None:
+    """From another thread, have ``loop`` (an asyncio loop or trio's token) call ``wake()``
+    without waiting for it: a loop that is stopped (not closed) calls it when it runs again,
+    where ``anyio.from_thread.run_sync`` would block this thread until then, perhaps forever.
+    A closed loop or a finished trio run has nobody waiting: nothing to wake."""
+    try:
+        if isinstance(loop, asyncio.AbstractEventLoop):
+            loop.call_soon_threadsafe(wake)
+        else:
+            loop.run_sync_soon(wake)
+    except RuntimeError:  # closed (trio's RunFinishedError is one too)
+        pass
 
 
 def unwrap_group(exc: BaseException) -> BaseException:

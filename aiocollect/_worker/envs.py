@@ -39,11 +39,25 @@ def make_env(env_fn: Any, env_kwargs: Any, env: Any = None, copy: int = 0) -> gy
     if env is None:
         env = create_env(env_fn, env_kwargs, copy)
     if not isinstance(env, gym.Env):
+        if any(cls.__module__.partition(".")[0] == "torchrl" for cls in type(env).__mro__):
+            raise ConfigTypeError(torchrl_env_message(env))
         raise ConfigTypeError(
             f"create_env_fn returned {type(env).__name__}, not a gymnasium.Env; return the env itself "
             f"(a Collector also takes a gymnasium.vector.VectorEnv, if create_env_fn returns one every time)"
         )
     return env
+
+
+def torchrl_env_message(env: Any) -> str:
+    """Why a TorchRL env (``GymEnv``, ``TransformedEnv``, ...) is refused, and what to pass instead."""
+    name = getattr(env, "env_name", None) or getattr(getattr(env, "base_env", None), "env_name", None)
+    by_id = f"create_env_fn={name!r}, or " if isinstance(name, str) else ""
+    return (
+        f"create_env_fn returned TorchRL's {type(env).__name__}: aiocollect steps gymnasium envs, not TorchRL "
+        f"EnvBases; pass {by_id}a factory returning the gymnasium env (gymnasium.make(...)). Instead of "
+        f"TorchRL's transforms use gymnasium wrappers, or the collector's options (StepCounter(max_steps): "
+        f"max_frames_per_traj=max_steps); batches keep TorchRL's keys"
+    )
 
 
 def add_envs(

@@ -374,6 +374,22 @@ class _TorchRunner:
         raise NotImplementedError
 
 
+def _missing_inputs(
+    missing: list[Key], obs_keys: Sequence[Key], out_keys: Sequence[Key], otherwise: str | None = None,
+) -> SpecError | None:
+    """The error of a policy that reads ``missing`` keys, which the observations lack: declare its
+    state where it looks recurrent, else ``otherwise`` (None: no error)."""
+    from .recurrent import undeclared_state_fix
+
+    fix = undeclared_state_fix(missing, out_keys) or otherwise
+    if fix is None:
+        return None
+    return SpecError(
+        f"the policy reads {['.'.join(k) for k in missing]}, which the observations do not have "
+        f"(they have {['.'.join(k) for k in obs_keys]}); {fix}"
+    )
+
+
 class ModuleRunner(_TorchRunner):
     """A callable on tensors: inputs are the ``in_keys`` observation leaves, outputs (a tensor or
     a tuple) are named by ``out_keys``."""
@@ -392,12 +408,10 @@ class ModuleRunner(_TorchRunner):
         self.want_dtype = self.act_leaves[0].np_dtype if self.act_leaves else None
         index = {key: i for i, key in enumerate(self.obs_keys)}
         missing = [k for k in in_keys if k not in index]
-        if missing:
-            raise SpecError(
-                f"the policy reads {['.'.join(k) for k in missing]}, which the observations do not have "
-                f"(they have {['.'.join(k) for k in self.obs_keys]}); wrap the module in a "
-                f"tensordict.nn.TensorDictModule with matching in_keys"
-            )
+        error = _missing_inputs(missing, self.obs_keys, out_keys, "wrap the module in a tensordict.nn.TensorDictModule "
+                                "with matching in_keys") if missing else None
+        if error is not None:
+            raise error
         self.in_idx = [index[k] for k in in_keys]
         self.in0 = self.in_idx[0] if len(self.in_idx) == 1 else None
 
@@ -466,12 +480,22 @@ class TensorDictRunner(_TorchRunner):
 
     def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
         if self.memory is None:
+            self._check_undeclared_state()
             return super().probe(obs)
         kept = self.memory.saved()  # (the probe's step is not one of the run's)
         try:
             return super().probe(obs)
         finally:
             self.memory.restore(kept)
+
+    def _check_undeclared_state(self) -> None:
+        """A policy that reads a state of its own but declares none (its ``in_keys``, where it has
+        them, lack from the observations ``is_init`` or a key it writes under ``"next"``)."""
+        in_keys = [as_key(k) for k in getattr(self.policy, "in_keys", None) or ()]
+        missing = [key for key in in_keys if key not in set(self.obs_keys)]
+        error = _missing_inputs(missing, self.obs_keys, [as_key(k) for k in getattr(self.policy, "out_keys", None) or ()])
+        if error is not None:
+            raise error
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
         import torch

@@ -25,9 +25,15 @@ IS_INIT: Key = ("is_init",)
 
 
 def dtype_name(dtype: Any) -> str:
-    """A torch or numpy dtype's (or a dtype name's) numpy name (``torch.float32`` -> ``"float32"``);
-    ``TypeError`` for anything else."""
-    return np.dtype(str(dtype).removeprefix("torch.")).name
+    """A torch or numpy dtype's (``np.float64`` or ``np.dtype("float64")`` too), or a dtype name's,
+    numpy name (``torch.float32`` -> ``"float32"``); ``TypeError`` for anything else."""
+    text = str(dtype)
+    if dtype is None or text.startswith("torch."):
+        dtype = text.removeprefix("torch.")  # (None: "None", refused below, not numpy's float64)
+    found = np.dtype(dtype)
+    if found.kind not in "biufc":  # (np.dtype takes any Python class too: object)
+        raise TypeError(f"{dtype!r} is not a numeric dtype")
+    return found.name
 
 
 def _primers(policy: Any) -> list[Callable[[], Any]]:
@@ -58,6 +64,33 @@ def has_primer(policy: Any) -> bool:
 def declared_leaves(declared: dict | None) -> tuple[Leaf, ...]:
     """``recurrent_state`` (checked already: key -> ``(shape, dtype name)``) as leaves."""
     return tuple(Leaf(as_key(key), shape, dtype) for key, (shape, dtype) in (declared or {}).items())
+
+
+def undeclared_state_fix(missing: Iterable[Key], out_keys: Iterable[Key]) -> str | None:
+    """The fix for a policy that reads keys the observations lack, where it looks recurrent (it reads
+    ``is_init``, or a key it writes under ``"next"``) but declares no state: ``recurrent_state=``
+    (TorchRL's primer transform has no place here); None where it does not look recurrent."""
+    written = {key[1:] for key in out_keys if key[:1] == ("next",)}
+    state = [key for key in missing if key in written]
+    if not state and IS_INIT not in missing:
+        return None
+    example = ", ".join(f"{'.'.join(key)!r}: <shape of one env's state>" for key in state) or "'recurrent_state': (1, 64)"
+    return (
+        f"a recurrent policy declares its state: pass recurrent_state={{{example}}} (the collector then gives the "
+        f"policy 'is_init' and the state it wrote at the step before, zeros where an episode starts; no primer "
+        f"transform needed), or use TorchRL's LSTMModule/GRUModule, which declare theirs"
+    )
+
+
+def random_step_extras(leaves: Iterable[Leaf], is_init: np.ndarray) -> list[np.ndarray]:
+    """The policy outputs (``leaves``) stored for a step whose actions were random
+    (``init_random_frames``: the policy does not run): ``is_init`` (``[n]``: the rows that start a
+    trajectory), and zeros for everything else, the state read and written included (the policy has
+    not run yet, so its state is still the zeros it starts from)."""
+    return [
+        is_init[:, None].copy() if leaf.key == IS_INIT else np.zeros((len(is_init),) + leaf.shape, leaf.np_dtype)
+        for leaf in leaves
+    ]
 
 
 class RecurrentMemory:
@@ -118,4 +151,7 @@ class RecurrentMemory:
         self.is_init[...] = saved[1]
 
 
-__all__ = ["IS_INIT", "RecurrentMemory", "declared_leaves", "dtype_name", "has_primer", "primer_leaves"]
+__all__ = [
+    "IS_INIT", "RecurrentMemory", "declared_leaves", "dtype_name", "has_primer", "primer_leaves", "random_step_extras",
+    "undeclared_state_fix",
+]

@@ -21,6 +21,7 @@ from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
 from .._core.layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from .policy import EnvActions, PolicySpec, RandomRunner, build_runner
+from .recurrent import random_step_extras
 from .._core.wire import NO_EPISODES, BatchInfo, Episodes
 
 
@@ -479,6 +480,11 @@ class Rollout:
             policy_time += t_env - t_policy
             if runner.remote:  # the version of the server's forward pass for this step
                 versions[t] = runner.version
+            if random and is_init is not None:  # (a recurrent policy's trajectory starts, stored all the same)
+                extras = random_step_extras(self.extra_leaves, is_init)
+                # spent: the policy's state is zeros still; but a replacement's first request to the
+                # server starts every row afresh (its rows there hold the state of the worker it replaces)
+                is_init[:] = bool(self.runner.remote and cfg.restart) and self.steps + 1 == self.random_calls
             for dst, arr in zip(act_t, act_arrays):
                 dst[...] = arr
             if self.takes_arrays:

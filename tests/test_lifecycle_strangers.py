@@ -1,0 +1,206 @@
+"""Delivery and lifecycle as people outside the project use them: a queue whose reader went
+away, cancellation around each call, a second iteration, closing from another task, a
+BaseException in the loop body, the evaluator outliving its collector's close. The autouse
+fixture in conftest checks that nothing (process, thread, shared memory) is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import pytest
+
+from aiocollect import AiocollectError, Collector, CollectorState, WorkerError
+from aiocollect.events import CollectorStopped
+from aiocollect._service.resource import in_own_thread
+from aiocollect.testing import CountingEnv
+
+FRAMES = 8
+
+
+def counting_env():
+    return CountingEnv(episode_length=20)
+
+
+def long_episodes():
+    return CountingEnv(episode_length=10_000)  # (an env's observation counts its steps)
+
+
+def endless(**kwargs):
+    options = dict(frames_per_batch=FRAMES, total_frames=-1, num_workers=1, seed=0)
+    return Collector(counting_env, **{**options, **kwargs})
+
+
+async def wait_for_state(c, state, limit=60):
+    with anyio.fail_after(limit):
+        while c.state is not state:
+            await anyio.sleep(0.01)
+
+
+# -- a queue whose consumers are gone ------------------------------------------------------------
+async def test_an_anyio_stream_whose_receivers_were_closed_stops_the_collector_and_aclose_is_clean():
+    send, receive = anyio.create_memory_object_stream(1)
+    c = endless()
+    reasons = []
+    c.on(CollectorStopped, lambda e: reasons.append(e.reason))
+    with anyio.fail_after(60):
+        await c.start(queue=send)
+        first = await receive.receive()
+        assert first.batch_size[-1] == FRAMES // first.batch_size[0]
+        del first
+        receive.close()  # the consumer is done: it stops reading and closes its side
+        await wait_for_state(c, CollectorState.STOPPED)  # the collector stops delivering
+        await c.aclose()  # nothing to report: the consumer ended the delivery itself
+    assert c.state is CollectorState.CLOSED
+    assert reasons == ["queue_closed"]
+
+
+@pytest.mark.loops("trio")
+async def test_a_trio_channel_whose_receivers_were_closed_stops_the_collector_and_aclose_is_clean():
+    import trio
+
+    send, receive = trio.open_memory_channel(1)
+    c = endless()
+    with anyio.fail_after(60):
+        await c.start(queue=send)
+        await receive.receive()
+        await receive.aclose()
+        await wait_for_state(c, CollectorState.STOPPED)
+        await c.aclose()
+    assert c.state is CollectorState.CLOSED
+
+
+async def test_a_stream_the_user_closed_on_the_send_side_stops_the_collector_too():
+    send, receive = anyio.create_memory_object_stream(4)
+    c = endless()
+    with anyio.fail_after(60):
+        await c.start(queue=send, close_queue=False)
+        await receive.receive()
+        send.close()  # "no more": the user closed the collector's side
+        await wait_for_state(c, CollectorState.STOPPED)
+        await c.aclose()
+    receive.close()
+
+
+# -- in_own_thread: its wake-up ------------------------------------------------------------------
+@pytest.mark.loops("asyncio")
+@pytest.mark.asyncio_only
+async def test_in_own_thread_waits_for_its_thread_under_a_native_task_cancel():
+    """``asyncio.timeout`` cancels the task natively (through anyio's shield): the caller still
+    waits for ``fn`` to return (it cannot be interrupted), then raises the cancellation."""
+    release, started, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def fn():
+        started.set()
+        release.wait(30)
+        returned.set()
+        return "result"
+
+    async def call():
+        return await in_own_thread(fn, "aiocollect test thread")
+
+    task = asyncio.ensure_future(call())
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.1)  # (a task that ignored the wait would be done by now)
+    assert not task.done(), "in_own_thread returned while its thread was still running fn"
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert returned.is_set()
+
+
+def test_in_own_thread_ends_its_thread_when_the_loop_stopped_without_closing():
+    """A loop stopped (not closed) while a caller waits: the thread still ends once ``fn`` has
+    returned (it does not block on the loop), and the caller gets the result when the loop runs
+    again."""
+    release = threading.Event()
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(in_own_thread(lambda: release.wait(30) and "result", "aiocollect test thread"))
+        loop.run_until_complete(asyncio.sleep(0.05))  # the loop stops: the task still waits
+        threads = [t for t in threading.enumerate() if t.name == "aiocollect test thread"]
+        assert len(threads) == 1
+        release.set()
+        threads[0].join(30)
+        assert not threads[0].is_alive(), "the thread blocks on a loop that does not run"
+        assert loop.run_until_complete(task) == "result"
+    finally:
+        release.set()
+        loop.close()
+
+
+# -- two consumer tasks --------------------------------------------------------------------------
+async def test_two_tasks_taking_from_a_zero_copy_collector_get_a_clear_error():
+    """With zero_copy=True a batch goes back to the workers when the next is asked for: a second
+    task waiting for a batch beside the first would overwrite the other's batch. The second
+    waiting call is refused with the fix; the first still gets its batch."""
+    outcomes = []
+
+    async def take(c):
+        try:
+            batch = await c.collect()
+            outcomes.append(int(batch["observation"][0, 0, 0]))
+        except AiocollectError as exc:
+            outcomes.append(exc)
+
+    with anyio.fail_after(60):
+        async with endless(zero_copy=True) as c:
+            async with anyio.create_task_group() as tg:
+                async with c.pause():  # nothing is delivered: both calls wait (or one is refused)
+                    tg.start_soon(take, c)
+                    tg.start_soon(take, c)
+                    while not outcomes and c._run.shared.counts.requested < 2:  # one refused, or both wait
+                        await anyio.sleep(0.01)
+    errors = [o for o in outcomes if isinstance(o, AiocollectError)]
+    assert len(errors) == 1 and outcomes.count(0) == 1, outcomes
+    assert "zero_copy=True" in str(errors[0]) and "zero_copy=False" in str(errors[0]), errors[0]
+
+
+async def test_two_tasks_share_a_default_collector_every_batch_once():
+    taken = []
+
+    async def consume(c):
+        async for batch in c:
+            taken.append(int(batch["observation"][0, 0, 0]))
+            await anyio.sleep(0.01)
+
+    c = Collector(long_episodes, frames_per_batch=FRAMES, total_frames=FRAMES * 10, num_workers=1, seed=0)
+    with anyio.fail_after(60):
+        async with c, anyio.create_task_group() as tg:
+            tg.start_soon(consume, c)
+            tg.start_soon(consume, c)
+    assert sorted(taken) == [FRAMES * i for i in range(10)], taken  # each batch once, none lost
+
+
+# -- the user's queue is closed however the delivery ends ----------------------------------------
+def no_licence():
+    raise RuntimeError("no licence server")
+
+
+async def test_a_start_that_fails_closes_the_queue_so_its_readers_end():
+    send, receive = anyio.create_memory_object_stream(1)
+    c = Collector(no_licence, frames_per_batch=FRAMES, total_frames=-1, num_workers=1)
+    with anyio.fail_after(60):
+        with pytest.raises(WorkerError, match="no licence server"):
+            await c.start(queue=send)
+        await c.aclose()
+    with pytest.raises(anyio.EndOfStream):  # the readers' `async for` ends: they do not wait forever
+        receive.receive_nowait()
+    receive.close()
+
+
+async def test_a_start_cancelled_or_closed_before_running_closes_the_queue():
+    for cancel_after in (0, 0.05):
+        send, receive = anyio.create_memory_object_stream(1)
+        c = endless()
+        with anyio.fail_after(60):
+            with anyio.move_on_after(cancel_after):
+                await c.start(queue=send)
+            await c.aclose()
+        with pytest.raises((anyio.EndOfStream, anyio.WouldBlock)) as info:
+            receive.receive_nowait()
+        assert info.type is anyio.EndOfStream, f"the queue was left open (start cancelled after {cancel_after} s)"
+        receive.close()
