@@ -296,6 +296,26 @@ def _optional_positive(name: str, *, zero: bool = False) -> Arg:
     )
 
 
+def with_mode(arg: Arg, default: Any, mode: dict) -> Arg:
+    """``arg``, an option that means something only under another setting (``mode``): its values
+    are tried with that setting, and a value other than its ``default`` without it is invalid (a
+    ConfigError naming the option and the setting it needs)."""
+    alone = arg.valid.filter(lambda d: d[arg.name] != default)
+    return Arg(arg.name, arg.valid.map(lambda d: {**d, **mode}),
+               st.one_of(arg.invalid.map(lambda d: {**d, **mode}), alone))
+
+
+def _torchrl_optional(name: str, *, zero: bool = False) -> Arg:
+    """An optional count where ``None`` and TorchRL's ``-1`` both mean none."""
+    low = 0 if zero else 1
+    ok = lambda v: v is None or (is_int(v) and (v >= low or v == -1))  # noqa: E731
+    return Arg(
+        name,
+        values(name, st.one_of(st.none(), st.just(-1), st.integers(min_value=low, max_value=2**70))),
+        values(name, wrong(ok, st.integers(max_value=-2), *([st.just(0)] if not zero else []))),
+    )
+
+
 def _flag(name: str) -> Arg:
     return Arg(name, values(name, st.booleans()), values(name, bools_only()))
 
@@ -330,6 +350,9 @@ def exploration_types() -> Arg:
     valid = st.sampled_from(list(names) + [n.upper() for n in names] + list(InteractionType))
     ok = lambda v: isinstance(v, (str, InteractionType)) and getattr(v, "value", v).lower() in names  # noqa: E731
     return Arg("exploration_type", values("exploration_type", valid), values("exploration_type", wrong(ok, st.text(max_size=10))))
+
+
+RESTART = {"on_worker_failure": "restart"}
 
 
 def collector_target() -> Target:
@@ -368,9 +391,10 @@ def collector_target() -> Target:
         Arg(
             "total_frames",
             # (not a multiple of frames_per_batch: rounded up with a warning, tests/test_torchrl_names.py)
-            values("total_frames", st.one_of(st.just(-1), st.integers(min_value=1, max_value=2**70).map(lambda k: 8 * k))),
+            # (None: TorchRL's other spelling of -1)
+            values("total_frames", st.one_of(st.just(-1), st.none(), st.integers(min_value=1, max_value=2**70).map(lambda k: 8 * k))),
             values("total_frames", wrong(
-                lambda v: is_int(v) and (v == -1 or v > 0),
+                lambda v: v is None or (is_int(v) and (v == -1 or v > 0)),
                 st.integers(max_value=-2), st.just(0), st.just(8.0),
             )),
         ),
@@ -414,8 +438,8 @@ def collector_target() -> Target:
                 st.sampled_from([[], [small_mlp, small_mlp], [3], (small_mlp, "x"), "small_mlp"]),
             )),
         ),
-        _optional_positive("max_frames_per_traj"),
-        _optional_positive("init_random_frames", zero=True),
+        _torchrl_optional("max_frames_per_traj"),
+        _torchrl_optional("init_random_frames", zero=True),
         _flag("reset_at_each_iter"),
         _flag("split_trajs"),
         _flag("progress"),
@@ -452,10 +476,10 @@ def collector_target() -> Target:
                 st.integers(min_value=1, max_value=100).map(lambda n: {"trajs_per_batch": n, "split_trajs": True}),
             ),
         ),
-        _choice("traj_format", ("pad", "cat")),
+        with_mode(_choice("traj_format", ("pad", "cat")), "pad", {"trajs_per_batch": 2}),
         _choice("on_worker_failure", ("raise", "restart")),
-        _positive("max_restarts", zero=True),
-        _seconds("restart_window", optional=True, zero=False),
+        with_mode(_positive("max_restarts", zero=True), 3, RESTART),
+        with_mode(_seconds("restart_window", optional=True, zero=False), 60.0, RESTART),
         _seconds(
             "step_timeout", optional=True, zero=False,
             extra_invalid=(st.floats(min_value=0.01, max_value=100).map(lambda t: {"step_timeout": t, "num_workers": 0}),),
@@ -509,7 +533,7 @@ def evaluator_target() -> Target:
         _callable_or_none("metrics_fn"),
         _callable_or_none("on_result"),
         _choice("busy_policy", ("skip", "error", "queue")),
-        _positive("max_queued"),
+        with_mode(_positive("max_queued"), 4, {"busy_policy": "queue"}),
         Arg(
             "num_envs",
             values("num_envs", st.integers(min_value=1, max_value=10)),

@@ -5,6 +5,8 @@ raised at construction, before any worker exists."""
 
 from __future__ import annotations
 
+import re
+
 import warnings
 
 import gymnasium as gym
@@ -181,6 +183,10 @@ VALUES = [
     (dict(frames_per_batch=64, seed=-1), "seed=-1 must be an int from 0"),
     (dict(frames_per_batch=64, max_frames_per_traj=0), "max_frames_per_traj=0 must be an int >= 1"),
     (dict(frames_per_batch=64, split_trajs=1), "split_trajs=1 must be True or False"),
+    # (found by fuzzing: a flag that is an array, a digit that int() does not read, an empty list)
+    (dict(frames_per_batch=64, reset_at_each_iter=np.array([True, False])), "reset_at_each_iter=array([ True, False]) must be True or False"),
+    (dict(frames_per_batch=64, max_frames_per_traj="\u00b3"), "max_frames_per_traj='\u00b3' must be an int >= 1"),
+    (dict(frames_per_batch=64, create_env_kwargs=[]), "create_env_kwargs is a list of 0 entries ([])"),
 ]
 
 
@@ -189,6 +195,11 @@ def test_a_bad_collector_value_is_named_with_the_way_out(kwargs, fragment):
     with pytest.raises(ConfigError) as info:
         CollectorConfig(ENV, **kwargs)
     assert fragment in str(info.value), str(info.value)
+
+
+def test_an_empty_list_of_env_factories_is_shown_as_given():
+    with pytest.raises(ConfigError, match=re.escape("create_env_fn is a list of 0 entries ([]); it must have as many")):
+        CollectorConfig([], frames_per_batch=64)
 
 
 EVALUATOR_VALUES = [

@@ -236,6 +236,46 @@ def test_every_torchrl_collector_argument_is_taken_or_answered_with_the_fix():
     assert not sorted(theirs - ours - set(OTHER_NAMES))
 
 
+def test_torchrls_methods_we_lack_say_what_to_use_instead():
+    """A ported script's ``collector.next()`` or ``collector.is_running()``: an AttributeError (so
+    ``hasattr`` and ``getattr(c, name, default)`` still work) whose message is the answer."""
+    from aiocollect._collector.torchrl_names import TORCHRL_ATTRIBUTES
+
+    with Collector(lambda: CountingEnv(episode_length=7), frames_per_batch=8, total_frames=16) as collector:
+        with pytest.raises(AttributeError, match=r"'next'.*use await collector\.collect\(\)"):
+            collector.next()
+        with pytest.raises(AttributeError, match=r"CollectorState\.RUNNING"):
+            collector.is_running()
+        for name, answer in TORCHRL_ATTRIBUTES.items():
+            assert name not in dir(Collector), f"{name} is an attribute of Collector: drop it from the table"
+            with pytest.raises(AttributeError) as info:
+                getattr(collector, name)
+            assert answer in str(info.value) and info.value.name == name
+            assert not hasattr(collector, name) and getattr(collector, name, "default") == "default"
+        with pytest.raises(AttributeError) as info:
+            collector.no_such_thing
+        assert "TorchRL" not in str(info.value)
+        assert sum(batch.numel() for batch in collector) == 16  # the collector still works
+
+
+def test_every_torchrl_collector_method_is_ours_or_answered():
+    """Each public method and attribute of TorchRL 0.14.1's collectors is one of ours, or getting
+    it says what to use instead."""
+    pytest.importorskip("torchrl")
+    import warnings
+
+    from aiocollect._collector.torchrl_names import TORCHRL_ATTRIBUTES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torchrl.collectors as tc
+    theirs = set()
+    for name in ("Collector", "MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "AsyncBatchedCollector"):
+        theirs |= {attr for attr in dir(getattr(tc, name)) if not attr.startswith("_")}
+    theirs -= set(dir(torch.utils.data.IterableDataset))  # (the base class of both)
+    assert not sorted(theirs - set(dir(Collector)) - set(TORCHRL_ATTRIBUTES))
+
+
 def test_update_policy_weights_takes_the_tensordict_of_from_module():
     """TorchRL's way to publish: ``update_policy_weights_(TensorDict.from_module(policy))`` (also as
     ``policy_weights=``); the next batch is collected with them."""

@@ -29,7 +29,7 @@ from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
 from .._service.front import Service, warn_unclosed
 from .._service.options import known_keywords
 from .stats import CollectorStats
-from .torchrl_names import TORCHRL_NAMES
+from .torchrl_names import TORCHRL_ATTRIBUTES, TORCHRL_NAMES
 from .._worker.weights import check_weights
 from .weightsync import Updates, check_worker_ids, watch_for
 from .._core.public import public
@@ -132,6 +132,17 @@ class Collector(Service, BlockingMixin):
 
     _closed_error = CollectorClosedError
     _ended = "the collector stopped"
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for a name the collector lacks: TorchRL's methods and attributes say what to use
+        instead (a ported script's ``collector.next()``, ``collector.is_running()`` ...)."""
+        if name in TORCHRL_ATTRIBUTES:
+            raise AttributeError(
+                f"'Collector' object has no attribute {name!r} (TorchRL's collectors have): "
+                f"{TORCHRL_ATTRIBUTES[name]} (docs/migrating-from-torchrl.md maps every method)",
+                name=name, obj=self,
+            )
+        raise AttributeError(f"'Collector' object has no attribute {name!r}", name=name, obj=self)
 
     @known_keywords(CollectorConfig, OTHER_NAMES)
     def __init__(

@@ -39,7 +39,7 @@ def _lengths(config: "CollectorConfig") -> str:
     return workers + per_env
 
 
-def _check_length(config: "CollectorConfig", name: str, value: tuple) -> None:
+def _check_length(config: "CollectorConfig", name: str, value: list | tuple) -> None:
     allowed = {config.total_envs} | ({config.num_workers} if config.num_workers else set())
     if len(value) not in allowed:
         raise ConfigError(
@@ -57,8 +57,8 @@ def check_env_factories(config: "CollectorConfig") -> None:
     fns: Any = config.create_env_fn
     kwargs: Any = config.create_env_kwargs
     if listed(fns):
+        _check_length(config, "create_env_fn", fns)  # (the list as given: its message shows it)
         fns = tuple(fns)
-        _check_length(config, "create_env_fn", fns)
         for i, fn in enumerate(fns):
             if isinstance(fn, str):
                 check_env_id(fn, f"create_env_fn[{i}]")
@@ -79,8 +79,8 @@ def check_env_factories(config: "CollectorConfig") -> None:
                 f"pass a dict for every env, or a list of dicts"
             )
         check_kwargs(f"create_env_kwargs[{i}]", kw)
+    _check_length(config, "create_env_kwargs", kwargs)  # (the list as given: its message shows it)
     kwargs = tuple(kwargs)
-    _check_length(config, "create_env_kwargs", kwargs)
     if listed(fns) and len(kwargs) != len(fns):
         raise ConfigError(
             f"create_env_kwargs is a list of {len(kwargs)} dicts but create_env_fn a list of {len(fns)} factories; "

@@ -57,4 +57,49 @@ TORCHRL_NAMES = {
 }
 """TorchRL's argument -> what aiocollect takes instead (see the migration page)."""
 
-__all__ = ["TORCHRL_NAMES"]
+_NONE = "no equivalent"
+_WEIGHTS = f"{_NONE}: weight transport is built in (await collector.update_weights(policy))"
+_REMOTE = f"{_NONE}: envs and policy replicas live in the workers"
+
+TORCHRL_ATTRIBUTES = {
+    "next": "use await collector.collect() (one batch)",
+    "rollout": "use await collector.collect() (one batch)",
+    "async_shutdown": "use await collector.aclose() (or await collector.shutdown())",
+    "is_running": "use collector.state is CollectorState.RUNNING (from aiocollect import CollectorState)",
+    "get_policy_version": "use collector.policy_version (the latest published) or collector.worker_versions "
+                          "(what each worker applied)",
+    "increment_version": f"{_NONE}: each update_weights() adds one to collector.policy_version",
+    "get_model": f"{_NONE}: models are named 'policy' or 'policy.<submodule>' in update_weights(model_id=...)",
+    "get_cached_weights": f"{_NONE}: models are named 'policy' or 'policy.<submodule>' in update_weights(model_id=...)",
+    "init_updater": _WEIGHTS,
+    "receive_weights": _WEIGHTS,
+    "register_scheme_receiver": _WEIGHTS,
+    "weight_updater": _WEIGHTS,
+    "set_post_collect_hook": "use collector.on(AfterRollout, fn) (from aiocollect.events import AfterRollout)",
+    "pre_collect_hook": "use collector.on(BeforeRollout, fn) (from aiocollect.events import BeforeRollout)",
+    "post_collect_hook": "use collector.on(AfterRollout, fn) (from aiocollect.events import AfterRollout)",
+    "getattr_env": _REMOTE,
+    "getattr_policy": _REMOTE,
+    "getattr_rb": f"{_NONE}: a replay buffer is yours (start(replay_buffer=rb))",
+    "get_distant_attr": _REMOTE,
+    "cascade_execute": _REMOTE,
+    "map_fn": _REMOTE,
+    "worker_idx": f"{_NONE}: a sync batch stacks each worker's envs_per_worker rows in worker order",
+    "reset": "not supported yet: reset_at_each_iter=True resets every env at each batch",
+    "fake_tensordict": "not supported yet: collect one batch (await collector.collect()) to see its keys and shapes",
+    "frames_per_batch_worker": "not supported yet: each worker fills frames_per_batch // num_workers frames of a "
+                               "sync batch",
+    "server_stats": "use collector.stats().server (with inference='server')",
+    "trajs_per_batch": "use collector.config.trajs_per_batch (every option is in collector.config)",
+    "traj_format": "use collector.config.traj_format (every option is in collector.config)",
+    "trajs_per_write": f"{_NONE}: with start(replay_buffer=rb) each delivered batch is one extend",
+    "verbose": f"{_NONE}: progress=True shows a bar; events and stats() report the rest",
+    "profile_config": "use the ProfileConfig that collector.enable_profile(...) returns (or collector.config.profile)",
+    "server_backend": f"{_NONE}: with inference='server' the policy runs in a thread of your process",
+    "env": _REMOTE,
+    "policy": f"{_NONE}: the policy is the object you passed (collector.config.policy)",
+}
+"""TorchRL's collector methods and attributes that a Collector lacks -> what to use instead, for
+the AttributeError a ported script meets (the migration page's table of methods)."""
+
+__all__ = ["TORCHRL_ATTRIBUTES", "TORCHRL_NAMES"]

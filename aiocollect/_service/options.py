@@ -108,7 +108,7 @@ def as_whole_number(value: Any) -> int | None:
         return int(value)
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):  # numpy's int64 ...
         return int(value)
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+    if isinstance(value, str) and value.strip().lstrip("+-").isdecimal() and value.isascii():
         return int(value)
     return None
 
@@ -150,6 +150,16 @@ def multiples_around(value: int, step: int) -> tuple[int, int]:
     return lower, (lower if lower == value else lower + step)
 
 
+def _same(value: Any, allowed: Any) -> bool:
+    """``value`` is ``allowed``: the same object, or a str or number equal to it (a bool only to a bool)."""
+    if value is allowed:
+        return True
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return False
+    plain = (int, float, str)
+    return isinstance(value, plain) and isinstance(allowed, plain) and value == allowed
+
+
 @dataclasses.dataclass(frozen=True)
 class Needs:
     """One row of a config's table of options that mean something only under another setting:
@@ -180,7 +190,8 @@ class Needs:
     def holds(self, config: Any) -> bool:
         """The config has the setting that ``option`` needs (or ``option`` is not set)."""
         actual = getattr(config, self.setting)
-        ok = actual is not None if self.allowed is None else actual in self.allowed
+        # (by identity or a plain value's equality: a setting not checked yet may be an array)
+        ok = actual is not None if self.allowed is None else any(_same(actual, a) for a in self.allowed)
         return ok or not self.is_set(getattr(config, self.option))
 
     def check(self, config: Any) -> None:
