@@ -183,6 +183,8 @@ VALUES = [
     (dict(frames_per_batch=64, seed=-1), "seed=-1 must be an int from 0"),
     (dict(frames_per_batch=64, max_frames_per_traj=0), "max_frames_per_traj=0 must be an int >= 1"),
     (dict(frames_per_batch=64, split_trajs=1), "split_trajs=1 must be True or False"),
+    (dict(frames_per_batch=64, seed=np.int64(3)), "seed=np.int64(3) must be an int from 0"),
+    (dict(frames_per_batch=64, seed=np.int64(3)), "pass seed=int(seed) (a Python int, not int64)"),
     # (found by fuzzing: a flag that is an array, a digit that int() does not read, an empty list)
     (dict(frames_per_batch=64, reset_at_each_iter=np.array([True, False])), "reset_at_each_iter=array([ True, False]) must be True or False"),
     (dict(frames_per_batch=64, max_frames_per_traj="\u00b3"), "max_frames_per_traj='\u00b3' must be an int >= 1"),

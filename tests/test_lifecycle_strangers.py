@@ -204,3 +204,16 @@ async def test_a_start_cancelled_or_closed_before_running_closes_the_queue():
             receive.receive_nowait()
         assert info.type is anyio.EndOfStream, f"the queue was left open (start cancelled after {cancel_after} s)"
         receive.close()
+
+
+def test_a_second_plain_for_after_the_end_says_the_collector_closed_itself():
+    """A script's ``for batch in collector`` without ``with`` runs to the end: the collector closes
+    itself (no worker outlives the loop), so a second ``for`` says why it is closed."""
+    from aiocollect import CollectorClosedError
+
+    collector = Collector(lambda: CountingEnv(episode_length=5), frames_per_batch=8, total_frames=16, num_workers=1)
+    assert sum(batch.numel() for batch in collector) == 16
+    assert collector.state is CollectorState.CLOSED
+    with pytest.raises(CollectorClosedError, match=r"by itself when the collection ended\); create a new Collector"):
+        for _ in collector:
+            pass

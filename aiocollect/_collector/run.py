@@ -237,7 +237,11 @@ class Run:
     async def collect(self, *, drain: bool = False) -> "TensorDict":
         s = self.shared
         if s.phase is Phase.CLOSED:
-            raise CollectorClosedError("this collector is closed; create a new Collector")
+            raise CollectorClosedError(
+                "this collector is closed (by aclose() or close(), at the end of its `async with` or `with`, or, for "
+                "a plain `for batch in collector` without `with`, by itself when the collection ended); create a "
+                "new Collector"
+            )
         self.check_loop()
         if s.phase is Phase.ENDED:
             self.raise_end()

@@ -9,6 +9,7 @@ is refused. Imported by worker processes: standard library only.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any
 
@@ -91,7 +92,9 @@ def check_seed(seed: Any, name: str = "seed", *, offset: int = 0, optional: bool
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= high:
         none = " or None" if optional else ""
         why = f" (seeds up to seed + {offset} are derived from it)" if offset else ""
+        numpy_int = isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, int))  # np.int64 ...
+        fix = f"; pass {name}=int({name}) (a Python int, not {type(seed).__name__})" if numpy_int else ""
         raise ConfigError(
             f"{name}={seed!r} must be an int from 0 to {high}{none}{why}: gymnasium takes seeds >= 0 and "
-            f"torch seeds < 2**64"
+            f"torch seeds < 2**64{fix}"
         )
