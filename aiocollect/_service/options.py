@@ -179,13 +179,7 @@ class Needs:
 
     def is_set(self, value: Any) -> bool:
         """``value`` is not the default (a number or str compared by value, anything else by identity)."""
-        if value is self.default:
-            return False
-        plain = (int, float, str)
-        return not (
-            isinstance(value, plain) and isinstance(self.default, plain)
-            and not isinstance(value, bool) and not isinstance(self.default, bool) and value == self.default
-        )
+        return not _same(value, self.default)
 
     def holds(self, config: Any) -> bool:
         """The config has the setting that ``option`` needs (or ``option`` is not set)."""
