@@ -3,8 +3,9 @@
 Env workers run in a pool of processes, the policy runs batched, and batches (TensorDicts in
 TorchRL's layout) leave through ``async for batch in collector`` and ``await collector.collect()``.
 
-The public names are loaded lazily: worker processes import this package too, and must not pay
-for torch or tensordict unless their policy needs them.
+The event types of :mod:`aiocollect.events` are exported here too (``from aiocollect import
+EpisodeEnded``). The public names are loaded lazily: worker processes import this package too,
+and must not pay for torch or tensordict unless their policy needs them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ _EXPORTS = {
     "EvaluatorState": "._evaluator.config",
     "EvaluatorBusyError": "._core.errors",
     "EvaluatorClosedError": "._core.errors",
+    # the event types, also here (as the docs' `collector.on(EpisodeEnded, ...)` reads); their
+    # module stays aiocollect.events, where the reference documents them
+    "AfterRollout": ".events",
+    "BatchReady": ".events",
+    "BeforeRollout": ".events",
+    "CollectorStarted": ".events",
+    "CollectorStopped": ".events",
+    "EpisodeEnded": ".events",
+    "EvaluationCompleted": ".events",
+    "EvaluationFailed": ".events",
+    "Event": ".events",
+    "ProfileTraceReady": ".events",
+    "WeightsApplied": ".events",
+    "WeightsUpdated": ".events",
+    "WorkerEvent": ".events",
+    "WorkerFailed": ".events",
+    "WorkerRestarted": ".events",
+    "WorkerStarted": ".events",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
@@ -78,6 +97,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._replay.samplers import StalenessAwareSampler as StalenessAwareSampler
     from ._replay.samplers import UniformSampler as UniformSampler
     from ._collector.split import split_trajectories as split_trajectories
+    from .events import AfterRollout as AfterRollout
+    from .events import BatchReady as BatchReady
+    from .events import BeforeRollout as BeforeRollout
+    from .events import CollectorStarted as CollectorStarted
+    from .events import CollectorStopped as CollectorStopped
+    from .events import EpisodeEnded as EpisodeEnded
+    from .events import EvaluationCompleted as EvaluationCompleted
+    from .events import EvaluationFailed as EvaluationFailed
+    from .events import Event as Event
+    from .events import ProfileTraceReady as ProfileTraceReady
+    from .events import WeightsApplied as WeightsApplied
+    from .events import WeightsUpdated as WeightsUpdated
+    from .events import WorkerEvent as WorkerEvent
+    from .events import WorkerFailed as WorkerFailed
+    from .events import WorkerRestarted as WorkerRestarted
+    from .events import WorkerStarted as WorkerStarted
 
 
 def __getattr__(name: str) -> Any:

@@ -123,18 +123,25 @@ def _options(setup: str) -> dict[str, Any]:
 class BusyTrainer:
     """``--busy-trainer``: a thread of this process that multiplies 256x256 matrices without a
     pause (one torch thread; torch releases the GIL meanwhile), a training step's stand-in that
-    wants a core all the time. ``steps`` counts its products."""
+    wants a core all the time. ``steps`` counts its products. With ``--device cuda`` it trains on
+    the GPU instead: 4096x4096 products on the device's default stream (the trainer's), waiting
+    for its own stream every 8 of them, never for the server's, so the GPU stays busy while the
+    inference server runs on its stream of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.steps = 0
+        self.device = device
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="busy trainer", daemon=True)
 
     def _run(self) -> None:
-        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        n = 256 if self.device == "cpu" else 4096
+        a, b = torch.randn(n, n, device=self.device), torch.randn(n, n, device=self.device)
         while not self._stop.is_set():
             torch.mm(a, b)
             self.steps += 1
+            if self.device != "cpu" and self.steps % 8 == 0:
+                torch.cuda.current_stream().synchronize()  # (the trainer's own stream only)
 
     def __enter__(self) -> "BusyTrainer":
         self._thread.start()
@@ -184,7 +191,7 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
         first = c.stats().server  # the server's totals (None with worker inference)
         gpu: list[float] = []
         with contextlib.ExitStack() as stack:
-            trainer = stack.enter_context(BusyTrainer()) if args.busy_trainer else None
+            trainer = stack.enter_context(BusyTrainer(args.device)) if args.busy_trainer else None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
                 t0 = time.perf_counter()
@@ -319,6 +326,11 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
         log(f"--device cuda runs the Pong case: {problem}")
         return 2
     log(f"GPU: {torch.cuda.get_device_name()}")
+    if args.busy_trainer:
+        with BusyTrainer("cuda") as alone:
+            time.sleep(args.seconds)
+        out["trainer_alone_per_s"] = alone.steps / args.seconds
+        log(f"the busy GPU trainer alone (nothing collecting): {alone.steps / args.seconds:,.0f} products/s")
     tables = {}
     for total in args.gpu_envs:
         envs = max(total // args.workers, 1)
@@ -368,7 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--device cuda: envs in all, comma-separated (default 64,256)")
     p.add_argument("--busy-trainer", action="store_true",
                    help="while measuring, a thread of this process multiplies matrices without a pause (a trainer "
-                        "that wants a core all the time); its products per second are reported")
+                        "that wants a core all the time; with --device cuda, the GPU); its products per second are "
+                        "reported")
     p.add_argument("--setups", type=_setup_names, default=None,
                    help="the CPU setups to measure, ';'-separated, e.g. 'server, idle;idle, pinned' (default: all; "
                         "worker inference, the ratios' base, is always measured)")

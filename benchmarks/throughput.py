@@ -19,7 +19,11 @@ everywhere via ``torch.manual_seed``; defaults: 2 workers x 8 envs, 2048 frames 
 * **TorchRL MultiSyncCollector** (``MultiSyncDataCollector`` before TorchRL 0.14) -- only if ``torchrl``
   imports: ``--workers`` workers, each a ``SerialEnv`` of ``--envs-per-worker`` ``GymEnv``s.
 * **aiocollect**, ``delivery="sync"`` and ``delivery="async"``: ``async for batch in collector`` under
-  anyio + uvloop, counting ``batch.numel()`` frames.
+  anyio + uvloop, counting ``batch.numel()`` frames; with the collector's default ``prefetch``, or once
+  per value of ``--prefetch`` (``--prefetch 0,2``: collecting on demand and two batches ahead, side by
+  side). The consumer does nothing with a batch unless ``--train-ms`` makes it wait that long after
+  each one (``await anyio.sleep``: a trainer that leaves the CPUs to the workers, as one on a GPU
+  does), which is where collecting ahead gains: the workers collect while it waits.
 
 Batch-based setups discard the first batches (at least 2 and at least ``--warmup`` seconds after the
 first one), then count frames for ``--seconds``: fps = frames / time between the end of the warm-up and
@@ -48,7 +52,7 @@ Run (the default run takes about a minute; the machine's noise matters, read rat
 
 Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
 section that leaves processes behind is reported with a warning and they are terminated. Options:
-``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--json PATH``,
+``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--prefetch``, ``--train-ms``, ``--json PATH``,
 ``--skip-baselines`` (gymnasium and TorchRL; the limit always runs), ``--skip-aiocollect``.
 """
 
@@ -279,7 +283,8 @@ async def _idle_lag(seconds: float) -> list[float]:
 
 
 async def _collect_aiocollect(
-    collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace, delivery: str, meter: Meter
+    collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace, delivery: str, meter: Meter,
+    prefetch: int | None = None,
 ) -> tuple[list[float], list[float]]:
     """Measure one aiocollect run; returns (idle lag samples, lag samples in the measuring window)."""
     import anyio
@@ -297,17 +302,22 @@ async def _collect_aiocollect(
             num_workers=args.workers,
             envs_per_worker=args.envs_per_worker,
             delivery=delivery,
+            **({} if prefetch is None else {"prefetch": prefetch}),
         ) as collector:
             async for batch in collector:
                 if meter.add(batch.numel()):
                     break
+                if args.train_ms:
+                    await anyio.sleep(args.train_ms / 1000)
         tg.cancel_scope.cancel()
     t0, t1 = meter.t0, meter.t1
     window = [] if t0 is None or t1 is None else [lag for t, lag in samples if t0 <= t <= t1]
     return idle, window
 
 
-def run_aiocollect(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any, delivery: str) -> Result:
+def run_aiocollect(
+    args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any, delivery: str, prefetch: int | None = None
+) -> Result:
     import anyio
 
     meter = Meter(args.seconds, args.warmup)
@@ -318,9 +328,10 @@ def run_aiocollect(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: A
         args,
         delivery,
         meter,
+        prefetch,
         backend_options={"use_uvloop": True},
     )
-    result = meter.result(f"aiocollect {delivery}")
+    result = meter.result(f"aiocollect {delivery}" + ("" if prefetch is None else f" prefetch={prefetch}"))
     result.extra = {"loop_lag_ms": percentiles_ms(window), "idle_loop_lag_ms": percentiles_ms(idle)}
     return result
 
@@ -494,6 +505,16 @@ def _per_core_ratio(r: Result, limit: Result) -> str:
     return f"{(r.fps / r.cpu['ours']) / (limit.fps / limit.cpu['ours']):.2f}"
 
 
+def _prefetch_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass whole numbers separated by commas, e.g. 0,2") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: prefetch is 0 or more")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -508,6 +529,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker (default 8)")
     p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
+    p.add_argument(
+        "--prefetch",
+        type=_prefetch_list,
+        default=[None],
+        metavar="N[,N...]",
+        help="aiocollect's prefetch: measure each value side by side (e.g. 0,2); default: the collector's default",
+    )
+    p.add_argument(
+        "--train-ms",
+        type=float,
+        default=0.0,
+        help="aiocollect's consumer waits this long after each batch (a trainer off the CPUs; default 0)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
         "--skip-baselines",
@@ -608,11 +642,14 @@ def main(args: argparse.Namespace) -> int:
                 )  # fmt: skip
     elif collector_cls is not None:
         for delivery in ("sync", "async"):
-            stages.append(
-                Stage(f"aiocollect_{delivery}", f"aiocollect {delivery}",
-                      f'aiocollect delivery="{delivery}" (with a 1 ms ticker on the loop)',
-                      functools.partial(run_aiocollect, args, policy, collector_cls, delivery))
-            )  # fmt: skip
+            for prefetch in args.prefetch:  # (None: the collector's default)
+                tail = "" if prefetch is None else f" prefetch={prefetch}"
+                stages.append(
+                    Stage(f"aiocollect_{delivery}" + ("" if prefetch is None else f"_prefetch{prefetch}"),
+                          f"aiocollect {delivery}{tail}",
+                          f'aiocollect delivery="{delivery}"{tail} (with a 1 ms ticker on the loop)',
+                          functools.partial(run_aiocollect, args, policy, collector_cls, delivery, prefetch))
+                )  # fmt: skip
     stages.append(
         Stage("limit", limit_name, f"{limit_title}, again (did the machine's load change?)",
               lambda: run_limit(args, policy))
@@ -675,7 +712,7 @@ def main(args: argparse.Namespace) -> int:
             f"limit at the start / at the end: {runs[0]:,.0f} / {runs[1]:,.0f} frames/s (differ by {drift:.0%})"
             + ("  <- the machine's load changed during the run: ratios are unreliable" if drift > 0.15 else "")
         )
-    sync = results.get("aiocollect_sync")
+    sync = next((r for key, r in results.items() if key.startswith("aiocollect_sync")), None)
     if sync is not None and sync.fps is not None:
         log(f"event-loop lag while collecting: {_fmt_lag(sync.extra['loop_lag_ms'])}")
         log(f"  (same ticker on the idle loop just before: {_fmt_lag(sync.extra['idle_loop_lag_ms'])})")

@@ -55,7 +55,14 @@ For each of them, with ``--workers`` x ``--envs-per-worker`` envs (default 2 x 8
    worker in turn (``send_bytes``); each worker ``torch.load``\\ s them and calls ``load_state_dict``,
    then replies. Latency = serialization to the last reply, same counts and warm-up. The
    serialization time alone is reported as its sender-side cost.
-4. **The in-place change check** (no collector: this process only), for the two MLPs and DQN's
+4. **Server inference** (``inference="server"``, workers idle, ``prefetch=0``): the server runs
+   weights of its own; ``update_weights(policy)`` copies the trainer's module into them between two
+   forward passes (under the server's lock; on CUDA on the server's stream, after the caller's
+   work). Latency of that call, same counts and warm-up, on the CPU and, where CUDA is available,
+   on ``cuda`` (the trainer's module there too); and the memory the copy costs: the state dict's
+   bytes, and on CUDA the growth of ``torch.cuda.memory_allocated`` with the collector.
+   ``--server-only`` runs this section alone.
+5. **The in-place change check** (no collector: this process only), for the two MLPs and DQN's
    Nature CNN (4x84x84 -> 6 actions, 1.69M parameters): what ``collector.collect()`` does per batch
    handed out to find a policy trained in place but never published (each parameter's and
    persistent buffer's version counter and each parameter's gradient read; the gradients exist,
@@ -511,9 +518,45 @@ async def _aiocollect_collecting(collector_cls: Any, spec: ModelSpec, args: argp
     )
 
 
+async def _aiocollect_server(collector_cls: Any, spec: ModelSpec, args: argparse.Namespace, n: int,
+                             device: str) -> Series:
+    """Server inference (``inference="server"``, ``policy_device=device``), workers idle: the
+    latency of ``update_weights(policy)`` (the trainer's module, on ``device`` too: a trainer
+    there), which copies the weights into the server's own copy between two forward passes, and
+    what that copy costs in memory (nominal: the state dict's bytes; on CUDA also the growth of
+    ``torch.cuda.memory_allocated`` from before the collector to after its start)."""
+    policy = build_model(spec).to(device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize(device)
+        allocated0 = torch.cuda.memory_allocated(device)
+    collector = collector_cls(
+        ENV_ID, policy, frames_per_batch=args.frames_per_batch, total_frames=-1, num_workers=args.workers,
+        envs_per_worker=args.envs_per_worker, prefetch=0, seed=SEED, inference="server", policy_device=device,
+    )
+    async with collector:
+        await collector.update_weights(policy)  # (started, and the copy made)
+        growth = torch.cuda.memory_allocated(device) - allocated0 if cuda else None
+        latencies: list[float] = []
+        for i in range(WARMUP_UPDATES + n):
+            perturb(policy, collector.policy_version + 1)
+            t0 = time.perf_counter()
+            await collector.update_weights(policy)
+            dt = time.perf_counter() - t0
+            if i >= WARMUP_UPDATES:
+                latencies.append(dt)
+    return Series(stats_ms(latencies), extra={
+        "device": device, "copy_bytes": state_nbytes(policy), "cuda_allocated_growth": growth,
+        "samples_ms": [x * 1e3 for x in latencies],
+    })
+
+
 def run_aiocollect(kind: str, collector_cls: Any, spec: ModelSpec, args: argparse.Namespace, n: int) -> Series:
     import anyio
 
+    if kind.startswith("server-"):
+        return anyio.run(_aiocollect_server, collector_cls, spec, args, n, kind[len("server-"):],
+                         backend_options={"use_uvloop": True})
     fn = _aiocollect_idle if kind == "idle" else _aiocollect_collecting
     return anyio.run(fn, collector_cls, spec, args, n, backend_options={"use_uvloop": True})
 
@@ -635,6 +678,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frames-per-batch", type=int, default=2048, help="frames per batch (default 2048)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
+        "--server-only",
+        action="store_true",
+        help="only the inference server's updates (its own copy of the weights), on the CPU and on CUDA if present",
+    )
+    p.add_argument(
         "--check-only",
         action="store_true",
         help="only the in-place change check (a few seconds: no collector, no worker is started)",
@@ -744,10 +792,14 @@ def main(args: argparse.Namespace) -> int:
             f"{WARMUP_UPDATES_COLLECTING} while collecting)"
         )
 
-    sections = [(spec, kind) for spec in specs for kind in ("idle", "collecting", "naive")]
+    servers = ["server-cpu"] + (["server-cuda"] if torch.cuda.is_available() else [])
+    kinds = servers if args.server_only else ["idle", "collecting", "naive", *servers]
+    sections = [(spec, kind) for spec in specs for kind in kinds]
     if args.check_only:
         sections = []
     titles = {
+        "server-cpu": "aiocollect, inference='server' on the CPU, workers idle: update_weights into the server's copy",
+        "server-cuda": "aiocollect, inference='server' on CUDA (trainer's module there too), workers idle",
         "idle": "aiocollect, workers idle (prefetch=0, no request pending)",
         "collecting": "aiocollect while collecting (consumer pulls batches back to back, prefetch=2)",
         "naive": f"pickle + pipe: torch.save -> Pipe -> torch.load + load_state_dict in {args.workers} spawned workers",
@@ -778,6 +830,13 @@ def main(args: argparse.Namespace) -> int:
         log(f"  -> update to all workers applied: {_fmt(s.latency)}  [section {took:.1f} s]")
         if kind == "idle":
             log(f"     publish alone (update_weights(wait=False) returns): {_fmt(s.extra['publish_ms'])}")
+        if kind.startswith("server-"):
+            growth = s.extra["cuda_allocated_growth"]
+            log(
+                f"     the server's own copy of the weights: {_size(s.extra['copy_bytes'])} more on "
+                f"{s.extra['device']}"
+                + ("" if growth is None else f" (torch.cuda.memory_allocated grew {_size(growth)} with the collector)")
+            )
         if kind == "naive":
             log(
                 f"     serialize alone (torch.save to bytes, {s.extra['message_bytes'] / 1e6:.3f} MB): "
@@ -805,6 +864,9 @@ def main(args: argparse.Namespace) -> int:
     if left:
         leftovers["aiocollect launcher"] = left
 
+    if args.server_only:
+        _server_table(specs, models, results)
+        return _write_json(args, host, models, results, leftovers, {})
     log("[check] the in-place change check (per batch handed out) and its reference (per publish) ...")
     checks = {spec.key: measure_check(spec) for spec in specs}
     checks["nature_cnn"] = measure_check(None)
@@ -852,10 +914,35 @@ def main(args: argparse.Namespace) -> int:
         part = results[spec.key]["idle"].extra.get("partial")
         if part:
             _partial_table(spec, part)
+    _server_table(specs, models, results)
     _check_table(specs, checks, results)
     if leftovers:
         log(f"WARNING: processes were left running after: {'; '.join(leftovers)} (terminated)")
     return _write_json(args, host, models, results, leftovers, checks)
+
+
+def _server_table(specs: list[ModelSpec], models: dict[str, dict[str, Any]],
+                  results: dict[str, dict[str, Series]]) -> None:
+    """Server inference: an update's latency and the memory of the server's own copy, per device."""
+    log("")
+    log("inference='server': update_weights(policy) copies into the server's own weights (between two forward passes)")
+    log(f"{'model':<16} {'device':>7} {'update p50/p90':>20} {'max':>10}  {'extra memory (one copy)':>24}")
+    for spec in specs:
+        for kind, s in results[spec.key].items():
+            if not kind.startswith("server-"):
+                continue
+            memory = "-"
+            if s.latency.get("n"):
+                growth = s.extra["cuda_allocated_growth"]
+                memory = _size(s.extra["copy_bytes"]) + ("" if growth is None else f" ({_size(growth)})")
+            log(f"{spec.name:<16} {kind[len('server-'):]:>7} {_cell(s):>20} {_cell(s, ('max',)):>10}  {memory:>24}")
+    log("extra memory: the state dict's bytes (in brackets on CUDA: torch.cuda.memory_allocated's growth with the\n"
+        "collector, which also holds the forward passes' own buffers)")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in kB or MB (10^3, 10^6)."""
+    return f"{nbytes / 1e3:.1f} kB" if abs(nbytes) < 1e6 else f"{nbytes / 1e6:.2f} MB"
 
 
 def _check_table(specs: list[ModelSpec], checks: dict[str, Any], results: dict[str, dict[str, Series]]) -> None:

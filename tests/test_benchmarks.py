@@ -143,3 +143,27 @@ def test_compare_trees_refuses_a_directory_without_aiocollect(tmp_path):
     )
     assert proc.returncode != 0
     assert "compare_trees:" in proc.stderr and str(tmp_path) in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_weight_sync_benchmark_measures_the_servers_updates_and_extra_memory():
+    """benchmarks/weight_sync.py --server-only at a tiny scale: each model's update into the
+    inference server's own copy of the weights is timed on the CPU (and CUDA where present), and
+    the copy's bytes are in the table."""
+    out = run_script("weight_sync.py", "--server-only", "--n", "2", "--n-big", "1", "--big-params", "20000",
+                     "--envs-per-worker", "2", "--frames-per-batch", "64", timeout=220)
+    table = out[out.index("inference='server': update_weights(policy)"):]
+    assert re.search(r"^MLP 4-64-2\s+cpu\s+[\d.]+ / [\d.]+ ms\s+[\d.]+ ms\s+1\.8 kB", table, re.M), out
+    assert re.search(r"^MLP ~0\.02M\s+cpu\s+[\d.]+ / [\d.]+ ms", table, re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_throughput_benchmark_measures_each_prefetch_side_by_side():
+    """benchmarks/throughput.py --prefetch 0,1 at a tiny scale: a row per delivery and prefetch,
+    each measured (frames per second and its ratio to the limit), with the trainer's wait."""
+    out = run_script("throughput.py", "--skip-baselines", "--seconds", "0.5", "--warmup", "0.1", "--workers", "1",
+                     "--envs-per-worker", "2", "--frames-per-batch", "64", "--prefetch", "0,1", "--train-ms", "5",
+                     timeout=280)
+    for delivery in ("sync", "async"):
+        for prefetch in (0, 1):
+            assert re.search(rf"^aiocollect {delivery} prefetch={prefetch}\s+[\d,]+\s+[\d.]+", out, re.M), out

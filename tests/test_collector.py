@@ -57,6 +57,7 @@ async def test_batch_layout_matches_torchrl_collectors():
         "observation", "action", "done", "terminated", "truncated",
         ("next", "observation"), ("next", "reward"), ("next", "done"), ("next", "terminated"),
         ("next", "truncated"), ("collector", "traj_ids"), ("collector", "policy_version"),
+        ("collector", "env_epoch"),
     }
     assert batch["observation"].shape == (4, 16, 4) and batch["observation"].dtype == torch.float32
     assert batch["action"].shape == (4, 16) and batch["action"].dtype == torch.int64
@@ -369,7 +370,10 @@ def test_public_names():
         "SubscriptionOverflowError", "events", "testing", "ProfileConfig", "ReplayBuffer", "Sampler",
         "UniformSampler", "StalenessAwareSampler", "SliceSampler", "SamplingError", "Evaluator",
         "EvaluatorConfig", "EvaluatorState", "EvaluatorBusyError", "EvaluatorClosedError",
+        *aiocollect.events.__all__,  # the event types, also at the top (`from aiocollect import EpisodeEnded`)
     }
+    for name in aiocollect.events.__all__:  # the same classes, documented under aiocollect.events
+        assert getattr(aiocollect, name) is getattr(aiocollect.events, name), name
     for name in aiocollect.__all__:
         obj = getattr(aiocollect, name)
         if isinstance(obj, types.ModuleType):

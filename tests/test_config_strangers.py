@@ -46,6 +46,8 @@ WITHOUT_MODE = [
     (collector_config, dict(traj_format="padded", split_trajs=True), "traj_format='padded'", "split_trajs always pads"),
     (collector_config, dict(recurrent_state={"h": (1, 8)}), "needs policy (not None), but policy=None",
      "or drop recurrent_state"),
+    (collector_config, dict(policy_out_keys=["action", "value"]), "needs policy (not None), but policy=None",
+     "or drop policy_out_keys (random actions have no outputs to name)"),
     (collector_config, dict(max_decorrelation_steps=50, reset_at_each_iter=True),
      "needs reset_at_each_iter=False, but reset_at_each_iter=True", "all in step again: drop one of them"),
     (evaluator_config, dict(max_restarts=0), "max_restarts=0 bounds", "pass on_worker_failure='restart' too"),
@@ -78,7 +80,7 @@ def test_every_new_row_of_both_tables_is_exercised_above():
     """Each row of the tables (besides the backend and server ones of test_options.py) has a
     case above, so that a row that cannot fail is noticed."""
     covered = {option for _, kwargs, _, _ in WITHOUT_MODE for option in kwargs}
-    elsewhere = {"worker_groups", "env_batch_size", "server_priority", "compile_policy", "cudagraph_policy",
+    elsewhere = {"worker_groups", "env_batch_size", "server_priority", "server_weights", "compile_policy", "cudagraph_policy",
                  "ray_actor_options", "worker_cpus", "step_timeout", "cpus"}
     rows = {row.option for row in (*MODE_OPTIONS, *EVALUATOR_MODE_OPTIONS)}
     assert rows - elsewhere <= covered, rows - elsewhere - covered
@@ -139,6 +141,7 @@ def test_an_unknown_keyword_names_itself_its_value_and_the_option_meant(cls, kwa
     unknown = next(k for k in kwargs if k != "frames_per_batch")
     assert message.startswith(f"{cls.__name__}() got an unexpected keyword argument {unknown}={kwargs[unknown]!r}; ")
     assert fragment in message and f"help(aiocollect.{cls.__name__}Config)" in message, message
+    assert f"docs/options.md#{cls.__name__.lower()}" in message, message  # the options reference, by section
 
 
 @pytest.mark.parametrize("cls, args, meant", [

@@ -482,7 +482,7 @@ async def test_error_seen_by_consumer_is_not_raised_again_by_aclose(num_workers)
 async def test_error_never_seen_by_consumer_is_raised_by_aclose_once(num_workers):
     """A worker that fails while nobody is collecting: aclose() raises its error, once."""
     c = Collector(CountingEnv, frames_per_batch=16, total_frames=64, num_workers=num_workers,
-                  create_env_kwargs={"fail_at_step": 3})
+                  create_env_kwargs={"fail_at_step": 3}, prefetch=1)
     with anyio.fail_after(30):
         await c.start()  # prefetch=1: the first batch is collected without a request
         while c.state is not State.STOPPED:
@@ -508,7 +508,8 @@ async def test_error_raised_by_start_is_not_raised_again_by_aclose(num_workers):
 async def test_error_in_async_with_body_wins_and_collector_is_closed():
     """An exception in the body of `async with` propagates unchanged (not replaced by a worker
     error that aclose would raise), and the collector is closed."""
-    c = Collector(CountingEnv, frames_per_batch=16, num_workers=1, create_env_kwargs={"fail_at_step": 3})
+    # (prefetch=1: the worker collects, and fails, without a request)
+    c = Collector(CountingEnv, frames_per_batch=16, num_workers=1, create_env_kwargs={"fail_at_step": 3}, prefetch=1)
     with anyio.fail_after(30), pytest.raises(KeyError, match="body"):
         async with c:
             while c.state is not State.STOPPED:  # the worker has failed, nobody has seen it
@@ -519,7 +520,8 @@ async def test_error_in_async_with_body_wins_and_collector_is_closed():
 
 async def test_worker_error_at_end_of_async_with_is_raised_by_exit():
     """A worker error nobody saw, and a body that exits normally: `async with` raises it."""
-    c = Collector(CountingEnv, frames_per_batch=16, num_workers=1, create_env_kwargs={"fail_at_step": 3})
+    # (prefetch=1: the worker collects, and fails, without a request)
+    c = Collector(CountingEnv, frames_per_batch=16, num_workers=1, create_env_kwargs={"fail_at_step": 3}, prefetch=1)
     with anyio.fail_after(30), pytest.raises(WorkerError):
         async with c:
             while c.state is not State.STOPPED:

@@ -118,7 +118,7 @@ FOUND = [
     pytest.param(lambda: _collector(create_env_fn=fc.Unpicklable()), r"create_env_fn=.*cannot be sent to the worker processes", id="env-fn-unpicklable"),
     pytest.param(lambda: _collector(create_env_kwargs={"lock": fc.threading.Lock()}), r"create_env_kwargs=.*cannot be sent", id="env-kwargs-unpicklable"),
     pytest.param(lambda: _collector(create_env_kwargs={3: "x"}), r"create_env_kwargs=\{3: 'x'\} has the key 3", id="env-kwargs-int-key"),
-    pytest.param(lambda: _collector(frames_per_batch=2**40), r"frames_per_batch=1099511627776 with prefetch=2 .* needs at least .* GiB", id="frames-beyond-memory"),
+    pytest.param(lambda: _collector(frames_per_batch=2**40), r"frames_per_batch=1099511627776 with prefetch=0 .* needs at least .* GiB", id="frames-beyond-memory"),
     pytest.param(lambda: _collector(prefetch=2**40), r"prefetch=1099511627776 .* needs at least", id="prefetch-beyond-memory"),
     pytest.param(lambda: _collector(num_workers=2**23, frames_per_batch=2**23), r"num_workers=8388608 is more worker processes than this machine allows", id="workers-beyond-pid-max"),
     pytest.param(lambda: _collector(delivery=np.array(["sync", "x"])), r"delivery=array", id="delivery-numpy-array"),

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from aiocollect import (
+    AiocollectError,
     Collector,
     CollectorClosedError,
     EndOfCollection,
@@ -387,7 +388,9 @@ async def test_worker_stuck_in_env_is_killed_after_shutdown_timeout(where):
         env_fn, kwargs = CountingEnv, {"step_sleep": 60.0}
     else:
         env_fn, kwargs = _env_that_hangs_in_close(), None
-    c = Collector(env_fn, frames_per_batch=16, num_workers=1, shutdown_timeout=0.5, create_env_kwargs=kwargs)
+    # (prefetch=1: the worker steps, and gets stuck, without a request)
+    c = Collector(env_fn, frames_per_batch=16, num_workers=1, shutdown_timeout=0.5, create_env_kwargs=kwargs,
+                  prefetch=1)
     await c.start()
     pids = c.worker_pids
     if where == "close":
@@ -421,6 +424,56 @@ async def test_consumer_waiting_while_another_task_closes_gets_collector_closed_
             await c.aclose()
     assert len(errors) == 1
     assert isinstance(errors[0], CollectorClosedError), repr(errors[0])
+
+
+class _Buffer:
+    """A replay buffer that keeps every batch it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+
+    def extend(self, batch) -> None:
+        self.batches.append(batch.clone())
+
+
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_start_with_a_replay_buffer_inside_async_with_gets_every_batch(prefetch):
+    """`async with Collector(...) as c: await c.start(replay_buffer=rb)` (the collector started
+    by the entry, no batch taken yet) collects into the buffer in the background: every batch of
+    total_frames, those collected ahead before the call (prefetch) included, in order, with the
+    same frames as a collector of the same seed that is consumed with `async for`."""
+    settings = dict(frames_per_batch=64, total_frames=64 * 4, num_workers=1, envs_per_worker=2, seed=3,
+                    prefetch=prefetch)
+    rb = _Buffer()
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", **settings) as c:
+            await anyio.sleep(0.2)  # (with prefetch, batches are collected ahead meanwhile)
+            await c.start(replay_buffer=rb)
+            while len(rb.batches) < 4:
+                await anyio.sleep(0.01)
+            with pytest.raises(AiocollectError, match="writes its batches into a replay buffer"):
+                await c.collect()
+        async with Collector("CartPole-v1", **settings) as reference:
+            expected = [batch.clone() async for batch in reference]
+    assert len(rb.batches) == len(expected) == 4
+    for got, want in zip(rb.batches, expected):
+        assert torch.equal(got[OBS], want[OBS]) and torch.equal(got[TRAJ], want[TRAJ])
+
+
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+async def test_a_late_replay_buffer_is_refused_once_a_batch_was_taken_saying_what_to_write():
+    """start(replay_buffer=...) after a batch was taken (that batch could not go into the
+    buffer), or a second buffer: AiocollectError naming the cause and what to write instead."""
+    async with Collector("CartPole-v1", frames_per_batch=32, num_workers=1) as c:
+        await c.collect()
+        with pytest.raises(AiocollectError, match=r"consumers already asked it for batches\): attach the buffer or "
+                           r"queue before taking a batch .*await c\.start\(replay_buffer=rb\)"):
+            await c.start(replay_buffer=_Buffer())
+    async with Collector("CartPole-v1", frames_per_batch=32, num_workers=1) as c:
+        await c.start(replay_buffer=_Buffer())
+        with pytest.raises(AiocollectError, match="already writes its batches into a replay buffer or a queue"):
+            await c.start(replay_buffer=_Buffer())
 
 
 async def test_frames_and_batches_count_only_batches_the_consumer_received():

@@ -214,6 +214,7 @@ def test_a_second_plain_for_after_the_end_says_the_collector_closed_itself():
     collector = Collector(lambda: CountingEnv(episode_length=5), frames_per_batch=8, total_frames=16, num_workers=1)
     assert sum(batch.numel() for batch in collector) == 16
     assert collector.state is CollectorState.CLOSED
-    with pytest.raises(CollectorClosedError, match=r"by itself when the collection ended\); create a new Collector"):
+    with pytest.raises(CollectorClosedError, match=r"closed by its plain `for batch in collector` \(without `with`\), "
+                                                   r"which closes it when total_frames are delivered; create a new"):
         for _ in collector:
             pass

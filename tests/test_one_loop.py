@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(90)
 KEYS = [
     "observation", "action", "done", "terminated", "truncated", "step_count",
     ("next", "observation"), ("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated"),
-    ("next", "step_count"), ("collector", "traj_ids"), ("collector", "policy_version"),
+    ("next", "step_count"), ("collector", "traj_ids"), ("collector", "policy_version"), ("collector", "env_epoch"),
 ]
 
 

@@ -126,6 +126,8 @@ SET_VALUES = {
     "worker_groups": 2,
     "env_batch_size": 2,
     "server_priority": "idle",
+    "server_weights": "shared",
+    "policy_out_keys": ["action", "value"],
     "compile_policy": True,
     "cudagraph_policy": True,
     "ray_actor_options": {"num_cpus": 1},

@@ -1,7 +1,7 @@
-"""inference="server": the workers step envs only, the user's own policy object runs in this
+"""inference="server": the workers step envs only, a copy of the user's policy runs in this
 process, one forward pass over the envs of every worker waiting for actions. Complete programs
 on real CartPole envs and real worker processes: the same data as worker inference for the same
-seed, the training loop with updates to its natural end (weights loaded into the user's policy,
+seed, the training loop with updates to its natural end (weights loaded into the server's copy,
 per-frame versions), the policy's extra outputs in the batch, vector envs and async delivery, a
 policy that raises, a worker replaced after a failure, and the options it refuses."""
 
@@ -59,14 +59,15 @@ async def test_server_gives_the_data_of_worker_inference_for_the_same_seed(updat
         assert [int(b["collector", "policy_version"].max()) for b in served] == [0, 1, 2, 3]
 
 
-async def test_training_loop_loads_new_weights_into_the_users_policy_and_stamps_each_frame():
+async def test_training_loop_loads_new_weights_into_the_servers_copy_and_stamps_each_frame():
     """`async for batch in c: ...; await c.update_weights(state_dict)` to the natural end with
-    async delivery: the state dict of another module is loaded into the policy the collector was
-    given (the user's object, no copy), every update is acknowledged by every worker at once,
-    and every frame's version is that of the forward pass that chose its action (a batch may span
-    an update; versions never go back within an env's row)."""
+    async delivery: the state dict of another module is loaded into the server's own copy of the
+    weights (the policy the collector was given is left as it is), every update is acknowledged by
+    every worker at once, and every frame's version is that of the forward pass that chose its
+    action (a batch may span an update; versions never go back within an env's row)."""
     torch.manual_seed(0)
     policy, trained = Greedy(), Greedy()
+    before = [p.detach().clone() for p in policy.parameters()]
     applied: list[WeightsApplied] = []
     frames = 0
     with anyio.fail_after(60):
@@ -79,7 +80,7 @@ async def test_training_loop_loads_new_weights_into_the_users_policy_and_stamps_
                 check_batch_rows(batch)
                 train(trained)
                 version = await c.update_weights(trained.state_dict())
-                assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), trained.parameters()))
+                assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
                 assert version == c.policy_version
     assert frames == 64 * 8
     assert {(e.version, e.worker) for e in applied} == {(v, w) for v in range(1, 9) for w in (0, 1)}

@@ -57,7 +57,7 @@ ACT_CASES = {
 # the keys of every batch besides the observation and the action
 COMMON_KEYS = {
     ("done",), ("terminated",), ("truncated",), ("next", "done"), ("next", "terminated"), ("next", "truncated"),
-    ("next", "reward"), ("collector", "traj_ids"), ("collector", "policy_version"),
+    ("next", "reward"), ("collector", "traj_ids"), ("collector", "policy_version"), ("collector", "env_epoch"),
 }
 
 

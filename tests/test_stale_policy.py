@@ -61,16 +61,18 @@ def _warnings_logged(caplog):
     caplog.set_level(logging.WARNING, logger="aiocollect")
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-async def test_a_policy_trained_in_place_without_an_update_is_said_once_with_the_fix(caplog, num_workers):
+@pytest.mark.parametrize("num_workers, inference", [(0, "worker"), (2, "worker"), (2, "server")],
+                         ids=["local", "workers", "server"])
+async def test_a_policy_trained_in_place_without_an_update_is_said_once_with_the_fix(caplog, num_workers, inference):
+    """Also with server inference, whose forward passes run a copy of the weights of their own."""
     net, policy, optimizer = make_policy()
     async with Collector(counting, policy, frames_per_batch=8, total_frames=8 * 6, num_workers=num_workers,
-                         envs_per_worker=2) as c:
+                         envs_per_worker=2, inference=inference) as c:
         ids = []
         async for batch in c:  # the ported loop: trains in place, never publishes
             ids.append(float(batch["weight_id"].max()))
             train_step(net, optimizer)
-    assert ids == [0.0] * 6, "the workers (as documented) keep the weights they were given"
+    assert ids == [0.0] * 6, "the workers and the server (as documented) keep the weights they were given"
     (record,) = stale_records(caplog)  # once, not once per batch
     assert record.levelno == logging.WARNING
     message = record.getMessage()

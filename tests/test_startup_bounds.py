@@ -28,6 +28,10 @@ from procs import alive, ctrl_c
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 RETURNS_WITHIN = 45.0  # seconds: shutdown_timeout (1 s) and a second or two, with room for a loaded machine
+# shutdown_timeout of the tests that check that a start-up still in its env factories does not wait
+# for it: a return before it is the property (it takes about a second), and no loaded machine
+# takes 30 s more
+LONG_SHUTDOWN = 30.0
 
 
 def launcher_children() -> list[int]:
@@ -95,6 +99,77 @@ async def test_a_cancel_scope_ends_a_collector_entry_stuck_in_a_factory_and_kill
 
 
 @pytest.mark.timeout(120)
+async def test_a_cancelled_start_up_stuck_in_factories_does_not_wait_for_shutdown_timeout(tmp_path):
+    """Nothing is collected while the env factories run: cancelled there, the entry gives control
+    back without giving the workers shutdown_timeout (30 s here) to close envs they do not have
+    yet; they are killed, none is left."""
+    took = await give_up_once_a_factory_runs(
+        lambda: Collector(marking_factory(str(tmp_path)), frames_per_batch=32, num_workers=2,
+                          shutdown_timeout=LONG_SHUTDOWN),
+        tmp_path,
+    )
+    assert took < LONG_SHUTDOWN, took
+    pids = marked_pids(tmp_path)
+    assert pids and not any(alive(p) for p in pids), pids
+    assert launcher_children() == []
+
+
+def _closing_env_factories(marks: str, events: str, slow_worker: int):
+    """Env factories, one per worker: worker ``slow_worker``'s never returns (it marks its pid in
+    ``marks``); the others' envs write ``built-<worker>`` and ``closed-<worker>`` into ``events``."""
+
+    def factory(worker: int):
+        def make():
+            if worker == slow_worker:
+                return marking_factory(marks)()
+            env = CountingEnv()
+            close = env.close
+
+            def closing():
+                close()
+                open(os.path.join(events, f"closed-{worker}"), "w").close()
+
+            env.close = closing
+            open(os.path.join(events, f"built-{worker}"), "w").close()
+            return env
+
+        return make
+
+    return factory
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancelled_start_up_closes_the_envs_of_workers_that_built_them(tmp_path):
+    """Cancelled while worker 1 is stuck in its factory, after worker 0 built its env: worker 1 is
+    killed without waiting for shutdown_timeout, worker 0 is asked to stop and closes its env (a
+    simulator's close() runs: it is not killed), and none is left."""
+    marks, events = tmp_path / "marks", tmp_path / "events"
+    marks.mkdir()
+    events.mkdir()
+    factory = _closing_env_factories(str(marks), str(events), slow_worker=1)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def expire() -> None:
+                while not marked_pids(marks) or not (events / "built-0").exists():
+                    await anyio.sleep(0.02)
+                await anyio.sleep(1.0)  # (worker 0 tells its spaces to the collector, which reads them)
+                cancelled_at.append(time.monotonic())
+                scope.cancel()
+
+            cancelled_at: list[float] = []
+            tg.start_soon(expire)
+            async with Collector([factory(0), factory(1)], frames_per_batch=32, num_workers=2,
+                                 shutdown_timeout=LONG_SHUTDOWN):
+                pytest.fail("the entry returned although an env factory never returns")
+    assert time.monotonic() - cancelled_at[0] < LONG_SHUTDOWN
+    assert sorted(p.name for p in events.iterdir()) == ["built-0", "closed-0"]
+    pids = marked_pids(marks)
+    assert pids and not any(alive(p) for p in pids), pids
+    assert launcher_children() == []
+
+
+@pytest.mark.timeout(120)
 async def test_a_cancel_scope_ends_an_evaluator_entry_stuck_in_a_factory_and_kills_its_worker(tmp_path):
     """The same for `async with Evaluator(...)`: its worker, stuck in the factory, is killed."""
     took = await give_up_once_a_factory_runs(
@@ -123,11 +198,12 @@ class _Released:
         return env
 
 
+@pytest.mark.parametrize("shutdown_timeout", [1.0, LONG_SHUTDOWN])
 @pytest.mark.timeout(120)
-async def test_a_cancel_scope_ends_a_local_backend_entry_stuck_in_a_factory():
+async def test_a_cancel_scope_ends_a_local_backend_entry_stuck_in_a_factory(shutdown_timeout):
     """The local backend runs the factory in a thread of this process: cancelled while the
-    factory does not return, the entry gives control back after shutdown_timeout all the same,
-    and the env the factory returns later is closed (nobody can use it)."""
+    factory does not return, the entry gives control back all the same, without waiting for
+    shutdown_timeout, and the env the factory returns later is closed (nobody can use it)."""
     _Released.go.clear()
     _Released.started.clear()
     _Released.envs.clear()
@@ -143,10 +219,11 @@ async def test_a_cancel_scope_ends_a_local_backend_entry_stuck_in_a_factory():
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(expire, scope)
-                async with Collector(_Released.factory, frames_per_batch=32, num_workers=0, shutdown_timeout=1.0):
+                async with Collector(_Released.factory, frames_per_batch=32, num_workers=0,
+                                     shutdown_timeout=shutdown_timeout):
                     pytest.fail("the entry returned although the env factory has not")
         took = time.monotonic() - cancelled_at[0]
-        assert took < RETURNS_WITHIN, took
+        assert took < min(RETURNS_WITHIN, LONG_SHUTDOWN), took
         assert _Released.envs == []  # (it returned control while the factory still waited)
     finally:
         _Released.go.set()  # the factory returns: its env is closed in its thread, which ends
@@ -221,17 +298,20 @@ async def test_workers_whose_stop_is_interrupted_are_killed_and_their_sockets_cl
     await c.aclose()
 
 
-@pytest.mark.parametrize("kind", ["collector", "local", "evaluator"])
+@pytest.mark.parametrize(("kind", "shutdown_timeout"), [
+    ("collector", 1.0), ("local", 1.0), ("evaluator", 1.0), ("collector", LONG_SHUTDOWN), ("local", LONG_SHUTDOWN),
+])
 @pytest.mark.timeout(150)
-def test_one_ctrl_c_ends_a_script_whose_factory_never_returns(kind):
+def test_one_ctrl_c_ends_a_script_whose_factory_never_returns(kind, shutdown_timeout):
     """A script in a terminal whose env factory never returns, stopped with one Ctrl-C (SIGINT to
-    its process group) while `async with` is starting: it ends with KeyboardInterrupt, and neither
-    its session nor a process stuck in the factory is left."""
+    its process group) while `async with` is starting: it ends with KeyboardInterrupt, without
+    waiting for shutdown_timeout (nothing was collected: no env to close), and neither its
+    session nor a process stuck in the factory is left."""
     from test_cli import in_session
 
     with subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "ctrl_c_startup.py"), kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,  # as a shell starts a job: its own session and group
+        [sys.executable, str(SCRIPTS / "ctrl_c_startup.py"), kind, str(shutdown_timeout)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,  # as a shell starts a job: its own session and group
     ) as proc:  # fmt: skip
         try:
             assert proc.stdout is not None
@@ -239,13 +319,17 @@ def test_one_ctrl_c_ends_a_script_whose_factory_never_returns(kind):
             if not line or line[0] != "factory":
                 pytest.fail(f"the factory did not start: {line}\n{proc.communicate(timeout=30)[1]}")
             factory_pid = int(line[1])
+            interrupted_at = time.monotonic()
             out, err = ctrl_c(proc)  # once
+            took = time.monotonic() - interrupted_at
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert proc.returncode == 130, (out, err)
     assert out.splitlines()[-1] == "interrupted", out
+    if shutdown_timeout == LONG_SHUTDOWN:
+        assert took < LONG_SHUTDOWN, took
     assert "started" not in out.split(), out
     deadline = time.monotonic() + 5
     while (in_session(proc.pid) or alive(factory_pid)) and time.monotonic() < deadline:

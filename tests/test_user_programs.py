@@ -8,6 +8,7 @@ and the same programs on trio; an evaluator used as a training script uses it.""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import os
 import signal
@@ -86,6 +87,37 @@ async def test_training_loop_with_weight_updates_runs_to_its_natural_end(deliver
     assert max(max(v) for v in versions.values()) >= 1
     with pytest.raises(CollectorClosedError):
         await c.update_weights(policy)
+
+
+@pytest.mark.parametrize("inference", ["worker", "server"])
+async def test_the_readme_loop_with_default_options_is_on_policy(inference):
+    """The README's loop, `async for batch in collector: <train>; await
+    collector.update_weights(policy)`, with the default options (sync delivery, no prefetch), as
+    TorchRL's MultiSyncCollector: batch k is collected with the weights published just before it
+    was asked for. Every frame of it carries version k, and its action is the one those weights
+    choose (those of version k - 1 would choose otherwise for many frames: the check can fail)."""
+    torch.manual_seed(0)
+    policy = Greedy()
+    published = [copy.deepcopy(policy)]  # the weights of each version
+    stale = 0  # frames whose action version k - 1 would not have chosen
+    with anyio.fail_after(90):
+        async with Collector("CartPole-v1", policy, frames_per_batch=256, total_frames=256 * 5, num_workers=2,
+                             envs_per_worker=2, inference=inference) as collector:
+            async for batch in collector:
+                k = len(published) - 1
+                versions = batch["collector", "policy_version"]
+                assert bool((versions == k).all()), f"batch {k} has versions {versions.unique().tolist()}"
+                with torch.no_grad():
+                    assert torch.equal(batch["action"], published[k](batch["observation"])), f"batch {k}"
+                    if k:
+                        stale += int((published[k - 1](batch["observation"]) != batch["action"]).sum())
+                with torch.no_grad():  # training: new weights, which choose other actions
+                    for p in policy.parameters():
+                        p.add_(torch.randn_like(p))
+                assert await collector.update_weights(policy) == k + 1
+                published.append(copy.deepcopy(policy))
+    assert len(published) == 6  # five batches, each followed by an update
+    assert stale > 100, stale
 
 
 @pytest.mark.parametrize("num_workers", [0, 1], ids=["local", "process"])
@@ -178,7 +210,7 @@ async def test_every_waiter_wakes_at_one_acknowledgement():
     class Seat:
         index = 0
 
-    sync = WeightSync(None, True, lambda *a, **k: anyio.sleep(0))
+    sync = WeightSync(None, True, lambda *a, **k: anyio.sleep(0), 1)
     sync.acked = [0]
     woken: list[int] = []
 

@@ -95,6 +95,7 @@ async def test_cartpole_vector_entry_point_batch_has_a_row_per_sub_env_with_torc
         "observation", "action", "done", "terminated", "truncated",
         ("next", "observation"), ("next", "reward"), ("next", "done"), ("next", "terminated"),
         ("next", "truncated"), ("collector", "traj_ids"), ("collector", "policy_version"),
+        ("collector", "env_epoch"),
     }
     assert batch["observation"].shape == (16, 8, 4) and batch["observation"].dtype == torch.float32
     assert batch["action"].shape == (16, 8) and batch["action"].dtype == torch.int64

@@ -194,8 +194,9 @@ async def test_default_batches_are_lent_without_a_copy_and_never_touched_while_h
     """By default a batch is lent (a view on its slot, which goes back to the workers once nothing
     refers to it): a loop that drops its batches gets them all without a copy, and a batch the
     consumer keeps, even through a single view of one of its tensors, is never overwritten."""
+    # (prefetch=2: prefetch + 2 = 4 slots per worker may be lent, two of them kept here)
     async with Collector(CountingEnv, frames_per_batch=16, total_frames=16 * 30, num_workers=2,
-                         envs_per_worker=2) as c:
+                         envs_per_worker=2, prefetch=2) as c:
         kept = await c.collect()
         expected = kept.clone()
         view = (await c.collect())["next", "observation"][1:, 2:]  # the rest of that batch is dropped

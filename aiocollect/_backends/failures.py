@@ -17,6 +17,11 @@ from .._core.errors import (
     AiocollectError, BrokenWorkerError, SpecError, WorkerError, WorkerTimeoutError, add_note, worker_error_class,
 )
 
+#: Seconds a worker still starting (in its env factory: nothing collected, no env of it to close)
+#: gets to finish when its start-up is cancelled or fails, before it is killed; a start-up that is
+#: given up returns within about this (``shutdown_timeout`` is for workers with envs to close).
+STARTING_GRACE = 0.5
+
 #: The last sentence of a rollout worker's hang or death: what to pass to go on.
 REPLACE_HUNG = "pass on_worker_failure='restart' to replace hung workers and go on"
 REPLACE_DEAD = "; pass on_worker_failure='restart' to replace dead workers and go on"
@@ -24,12 +29,16 @@ REPLACE_DEAD = "; pass on_worker_failure='restart' to replace dead workers and g
 
 @contextlib.asynccontextmanager
 async def stop_on_failure(
-    seats: Iterable[Any], timeout: float = 0.0, forget: Callable[[], None] | None = None
+    seats: Iterable[Any], timeout: float = 0.0, forget: Callable[[], None] | None = None,
+    started: Callable[[Any], bool] | None = None,
 ) -> AsyncIterator[None]:
     """Start-up (or a replacement) that must leave nothing behind: when the block raises (or is
     cancelled), ``forget()`` is called, then every seat in ``seats`` (read at that moment: a list
     the block appends to) is stopped, shielded, concurrently, with ``timeout`` seconds each to
-    close its envs; then the error goes on."""
+    close its envs; then the error goes on. With ``started``, a seat for which it is false (still
+    in its env factories: nothing to close yet) gets ``STARTING_GRACE`` seconds at most instead,
+    so that a cancelled start-up gives control back within about a second whatever
+    ``timeout`` is."""
     try:
         yield
     except BaseException:
@@ -38,7 +47,8 @@ async def stop_on_failure(
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for seat in list(seats):
-                    tg.start_soon(seat.stop, timeout)
+                    grace = timeout if started is None or started(seat) else min(timeout, STARTING_GRACE)
+                    tg.start_soon(seat.stop, grace)
         raise
 
 

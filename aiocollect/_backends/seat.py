@@ -55,6 +55,13 @@ class RolloutSeat(Seat, Protocol):
     async def replace(self, cfg: RolloutConfig) -> None:
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
 
+    async def env_call(self, call: Any) -> list:
+        """Apply an :class:`~aiocollect._core.wire.EnvCall` to the worker's envs between two env
+        steps; its results, one per row (what the env raised, as the worker's error)."""
+
+    def fail_calls(self, error: BaseException) -> None:
+        """The worker failed for good: the env calls waiting on it raise ``error``."""
+
     def stuck(self, timeout: float) -> tuple[int, int, float] | None:
         """``(what, env, seconds)`` if the worker is hung; ``None``: it is not, or it is not watched
         (a seat that never reports a hang, such as the local rollout, is not a :class:`WatchedSeat`:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._core.errors import ConfigError
 from .._service.resource import in_own_thread
+from .failures import STARTING_GRACE
 from .launcher import get_launcher
 from .seat import Backend, Launch, Sharing
 
@@ -95,9 +96,10 @@ class LocalBackend:
             return LocalWorker(launch.configs[0], policy)
 
         # the factories run in a thread, so that cancelling the start-up is not held up by one
-        # that never returns: after shutdown_timeout it is left to finish there (a thread cannot
+        # that never returns: after STARTING_GRACE it is left to finish there (a thread cannot
         # be killed), and what it builds is closed then
-        local = await in_own_thread(build, "aiocollect local start-up", give_up_after=launch.shutdown_timeout,
+        local = await in_own_thread(build, "aiocollect local start-up",
+                                    give_up_after=min(launch.shutdown_timeout, STARTING_GRACE),
                                     discard=LocalWorker.stop_nowait)
         return [local], [local.rollout.spec()]
 

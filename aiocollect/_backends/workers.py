@@ -9,23 +9,24 @@ only the process behind it changes (:meth:`WorkerHandle.replace`).
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import time
 import traceback
 from collections import deque
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar, cast
 
 import anyio
 
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
 from .child import ChildProcess, started_pids
-from .failures import changed_spec, stop_on_failure, worker_error
+from .failures import changed_spec, stop_on_failure, unpacked_error, worker_error
 from .._core.layout import SlotLayout
 from .._worker.rollout import Rollout, RolloutConfig
 from .._worker.vector import open_rollout
 from .._core.wire import (
-    Applied, BatchInfo, Config, Credit, Error, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
+    Applied, BatchInfo, Config, Credit, EnvCall, EnvCallDone, Error, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
     WeightsPublished,
 )
 
@@ -33,6 +34,57 @@ _ENTRY = "aiocollect._worker.main:serve"
 
 OnReady = Callable[[Any], None]
 OnApplied = Callable[[Any, int], Awaitable[None]]
+
+
+_Verb = TypeVar("_Verb", bound=Callable[..., Awaitable[Any]])
+_VerbNowait = TypeVar("_VerbNowait", bound=Callable[..., None])
+
+
+def _at_home(method: _Verb) -> _Verb:
+    """A verb the caller's loop may call while the seat is served by background collection's
+    own loop (``update_weights`` nudging a worker, giving it a weight store): run there, so that
+    one loop alone talks to the worker."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "WorkerHandle", *args: Any) -> Any:
+        home = self.home
+        if home is not None and not home.on_thread():
+            return await home.to_thread(method, self, *args)
+        return await method(self, *args)
+
+    return cast(_Verb, wrapper)
+
+
+def _at_home_nowait(method: _VerbNowait) -> _VerbNowait:
+    """As :func:`_at_home`, for a verb that does not wait (``enable_profile``): posted there."""
+
+    @functools.wraps(method)
+    def wrapper(self: "WorkerHandle", *args: Any) -> None:
+        home = self.home
+        if home is not None and not home.on_thread():
+            home.post_thread(functools.partial(method, self, *args))
+            return
+        method(self, *args)
+
+    return cast(_VerbNowait, wrapper)
+
+
+class _CallWaiter:
+    """An :class:`EnvCall` sent to a worker process, waiting for its answer (re-sent to a
+    replacement if the worker fails first)."""
+
+    __slots__ = ("call", "done", "answer", "error")
+
+    def __init__(self, call: EnvCall) -> None:
+        self.call = call
+        self.done = anyio.Event()
+        self.answer: EnvCallDone | None = None
+        self.error: BaseException | None = None
+
+    def finish(self, answer: EnvCallDone | None = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.answer, self.error = answer, error
+            self.done.set()
 
 
 class _Slots:
@@ -56,6 +108,11 @@ class WorkerHandle(abc.ABC):
     index: int
     slots: _Slots
     hung: BaseException | None = None  # set by the watchdog before it kills the worker
+    # background collection: the collector's own loop serves this seat (see offloop.py), and the
+    # kinds of seat whose verbs the caller's loop reaches through it (_at_home)
+    home: Any = None
+    can_serve_off_loop = False
+    reaches_envs = False  # env_call() works (Collector.call, get_attr, set_attr ...)
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -101,6 +158,13 @@ class WorkerHandle(abc.ABC):
     def profile(self, settings: dict, path: str) -> None:
         """Profile this worker's next rollouts."""
 
+    async def env_call(self, call: EnvCall) -> list:
+        """Apply ``call`` to the worker's envs between two env steps; its results (one per row)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reach into its envs")
+
+    def fail_calls(self, error: BaseException) -> None:
+        """The worker failed for good (or is stopped): the env calls waiting on it raise ``error``."""
+
     def profile_off(self) -> None:
         """Drop a profiler recording in progress (no trace is written)."""
 
@@ -131,6 +195,9 @@ class WorkerHandle(abc.ABC):
 class ProcessWorker(WorkerHandle):
     """A worker process (replaced by a new one after a failure, under the same handle)."""
 
+    can_serve_off_loop = True
+    reaches_envs = True
+
     def __init__(self, index: int, launcher: Any, needs: tuple[str, ...]) -> None:
         super().__init__(index)
         self.launcher = launcher
@@ -146,6 +213,7 @@ class ProcessWorker(WorkerHandle):
         self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
         self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
         self.own_store: Any = None
+        self.calls: dict[int, _CallWaiter] = {}  # env calls sent, by id, not answered yet
 
     @property
     def pid(self) -> int | None:
@@ -188,23 +256,56 @@ class ProcessWorker(WorkerHandle):
         if self.proc is not None:  # (else a replacement gets it with its free slots)
             await self.proc.send(Release(slot))
 
+    @_at_home
     async def nudge(self) -> None:
         if self.proc is not None:
             await self.proc.send(WeightsPublished())
 
+    @_at_home
     async def give_store(self, store: Any) -> None:
         """A weight store of this worker's own (kept for a replacement)."""
         self.own_store = store
         if self.proc is not None:
             await self.proc.send(Store(store.layout), (store.fd,))
 
+    @_at_home_nowait
     def profile(self, settings: dict, path: str) -> None:
         if self.proc is not None:
             self.proc.send_nowait(Profile(settings, path))
 
+    @_at_home_nowait
     def profile_off(self) -> None:
         if self.proc is not None:
             self.proc.send_nowait(ProfileOff())
+
+    @_at_home
+    async def env_call(self, call: EnvCall) -> list:
+        """Send ``call``; its results once the worker applied it between two env steps. A worker
+        that fails first is replaced (``on_worker_failure="restart"``) and its replacement gets
+        the call; else it raises the worker's error."""
+        waiter = self.calls[call.id] = _CallWaiter(call)
+        try:
+            if self.proc is not None:  # (else being replaced: the replacement gets it when it is up)
+                try:
+                    await self.proc.send(call)
+                except Exception:  # noqa: BLE001 - its failure is serve()'s to report
+                    pass
+            await waiter.done.wait()
+        finally:
+            self.calls.pop(call.id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        answer = waiter.answer
+        assert answer is not None
+        if answer.error is not None:
+            raise unpacked_error(self.index, self.pid, answer.result, answer.error, f"worker {self.index} (pid {self.pid})")
+        import cloudpickle
+
+        return cloudpickle.loads(answer.result)
+
+    def fail_calls(self, error: BaseException) -> None:
+        for waiter in list(self.calls.values()):
+            waiter.finish(error=error)
 
     async def serve(self, on_ready: OnReady, on_applied: OnApplied) -> BaseException:
         proc = self.proc
@@ -223,6 +324,10 @@ class ProcessWorker(WorkerHandle):
                 case Trace(path):
                     self.traces.append(path)
                     on_ready(None)
+                case EnvCallDone(call_id):
+                    waiter = self.calls.get(call_id)
+                    if waiter is not None:
+                        waiter.finish(msg)
                 case Error():
                     return self.hung or proc.error_from(msg)
                 case _:  # pragma: no cover - protocol error
@@ -271,6 +376,9 @@ class ProcessWorker(WorkerHandle):
             await self.give_slots(self.free_slots())  # (slots released meanwhile are free now)
             if self.own_store is not None:
                 await self.give_store(self.own_store)
+            for waiter in list(self.calls.values()):  # calls the failed worker did not answer
+                if not waiter.done.is_set():
+                    await proc.send(waiter.call)
 
     def _forget_process(self) -> None:
         self.proc = None
@@ -291,6 +399,9 @@ class ProcessWorker(WorkerHandle):
         self._free()
 
     def _free(self) -> None:
+        from .._core.errors import CollectorClosedError
+
+        self.fail_calls(CollectorClosedError(f"worker {self.index} was stopped before it applied the env call"))
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -307,10 +418,11 @@ async def start_process_workers(
     """Fork a worker per config, send each its config, return the workers and their specs.
 
     Cancelled, or when a worker fails to start, every worker forked is gone before this raises:
-    each gets ``shutdown_timeout`` seconds to finish building its envs and close them, then is
-    killed (those whose hello was not read yet are waited for too)."""
+    one that built its envs gets ``shutdown_timeout`` seconds to close them, one still building
+    them (an env factory that may never return) ``STARTING_GRACE`` at most, then is killed (those
+    whose hello was not read yet are waited for too)."""
     workers: list[ProcessWorker] = []
-    async with stop_on_failure(workers, shutdown_timeout):
+    async with stop_on_failure(workers, shutdown_timeout, started=lambda w: w.spec is not None):
         for i in range(len(configs)):
             w = ProcessWorker(i, launcher, needs)
             workers.append(w)
@@ -381,6 +493,9 @@ class LocalWorker(LoopSeat):
     """The local backend: the rollout runs in the collector's process and event loop, yielding to
     the loop every few milliseconds."""
 
+    can_serve_off_loop = True
+    reaches_envs = True
+
     def __init__(self, cfg: RolloutConfig, policy: Any) -> None:
         super().__init__(0)
         self.cfg = cfg
@@ -406,6 +521,7 @@ class LocalWorker(LoopSeat):
         self.free.extend(range(layout.num_slots))
         return fd, self.buffer
 
+    @_at_home_nowait
     def profile(self, settings: dict, path: str) -> None:
         from .._core.profiling import Recorder
 
@@ -414,17 +530,30 @@ class LocalWorker(LoopSeat):
         self.recorder = Recorder(settings, path)
         self.profiled_from = self.rollout.batches
 
+    @_at_home_nowait
     def profile_off(self) -> None:
         if self.recorder is not None:
             self.recorder.abort()
             self.recorder = None
 
+    @_at_home
     async def nudge(self) -> None:
         self._wake()
 
+    @_at_home
     async def give_store(self, store: Any) -> None:
         self.stores.append(store)
         self.rollout.add_store(store)
+
+    @_at_home
+    async def env_call(self, call: EnvCall) -> list:
+        """Applied at once: the rollout runs on this loop, and yields to it only between env steps."""
+        from .._worker.env_calls import apply
+
+        try:
+            return apply(self.rollout, call)
+        except Exception as exc:
+            raise _local_error(exc)
 
     async def _apply_weights(self, on_applied: OnApplied) -> None:
         version = self.rollout.apply_weights()

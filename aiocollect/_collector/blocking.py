@@ -32,6 +32,7 @@ class BlockingMixin:
         async def start(self) -> None: ...
         async def collect(self) -> Any: ...
         async def aclose(self) -> None: ...
+        def _closing(self, closer: str) -> None: ...
         update_weights: Any
 
     def _blocking(self, what: str) -> Any:
@@ -43,6 +44,13 @@ class BlockingMixin:
                 f"(or `await collector.collect()`)"
             )
         return self._portal.get()
+
+    def _awaitable_or_blocking(self, what: str, make: Any) -> Any:
+        """``make()`` (a coroutine) to await in async code; where no event loop runs (the
+        blocking wrapper), run through the portal, and its result."""
+        if loop_token() is not None:
+            return make()
+        return self._blocking(what).call(make)
 
     def __enter__(self: C) -> C:
         portal = self._blocking("`with Collector(...)`")
@@ -56,6 +64,7 @@ class BlockingMixin:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._in_with = False
+        self._closing("the end of its `with` block" + ("" if exc is None else f", which raised {type(exc).__name__}"))
         try:
             self.close()
         except Exception:
@@ -73,6 +82,8 @@ class BlockingMixin:
                 batch = portal.call(self.collect)
             except EndOfCollection:
                 if not self._in_with:
+                    self._closing("its plain `for batch in collector` (without `with`), which closes it when "
+                                  "total_frames are delivered")
                     self.close()
                 return
             yield batch
@@ -119,6 +130,7 @@ class BlockingMixin:
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, for code that used the blocking wrapper."""
+        self._closing("close()")
         portal = self._portal.portal
         if portal is None:
             if self._run.close_unstarted():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Litera
 
 import anyio
 
+from . import env_calls as _env_calls
 from . import resume as _resume
 from .._service.portal import Portal
 from .blocking import BlockingMixin
@@ -30,8 +31,7 @@ from .._service.front import Service, warn_unclosed
 from .._service.options import known_keywords
 from .stats import CollectorStats
 from .torchrl_names import TORCHRL_ATTRIBUTES, TORCHRL_NAMES
-from .._worker.weights import check_weights
-from .weightsync import Updates, check_worker_ids, watch_for
+from .weightsync import watch_for
 from .._core.public import public
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
@@ -48,6 +48,7 @@ OTHER_NAMES = {
     "max_episode_steps": "use max_frames_per_traj=",
     "sync": "use delivery='sync' (each batch from every worker) or delivery='async' (the first one ready)",
     "return_same_td": "zero_copy=True delivers views on the workers' shared memory, valid until the next batch",
+    "out_keys": "use policy_out_keys= (the names of the tensors a plain nn.Module policy returns, in order)",
     **TORCHRL_NAMES,
 }
 """Keywords a stranger may give the collector (other libraries' names) -> what to pass instead."""
@@ -158,6 +159,7 @@ class Collector(Service, BlockingMixin):
         inference: str = "worker",
         create_env_kwargs: dict | Sequence[dict] | None = None,
         policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
+        policy_out_keys: Sequence[str | tuple[str, ...]] | None = None,
         max_frames_per_traj: int | None = None,
         init_random_frames: int | None = None,
         max_decorrelation_steps: int = 0,
@@ -166,11 +168,12 @@ class Collector(Service, BlockingMixin):
         exploration_type: Any = "random",
         progress: bool = False,
         seed: int | None = None,
-        prefetch: int = 2,
+        prefetch: int = 0,
         zero_copy: bool | Literal["debug"] = False,
         shutdown_timeout: float = 5.0,
         postproc: Callable[["TensorDict"], Any] | None = None,
         update_at_each_batch: bool = False,
+        frames_per_update: int | None = None,
         trajs_per_batch: int | None = None,
         traj_format: str = "pad",
         on_worker_failure: str = "raise",
@@ -187,6 +190,7 @@ class Collector(Service, BlockingMixin):
         worker_groups: int = 1,
         env_batch_size: int | None = None,
         server_priority: str = "normal",
+        server_weights: str = "copy",
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
         backend: str | Backend | None = None,
@@ -270,15 +274,18 @@ class Collector(Service, BlockingMixin):
         weights_dict: Mapping[str, Any] | None = None,
         wait: bool = True,
     ) -> int:
-        """Publish new policy weights to the workers; returns the new version.
+        """Publish new policy weights to the workers (or the inference server); returns the new
+        version.
 
         ``policy_or_weights``: an ``nn.Module`` / ``TensorDictModule`` (its current weights, on
         whatever device it is now), a ``TensorDict`` of parameters
         (``TensorDict.from_module(policy)``), a state dict, or ``None`` for the weights of the
-        ``policy`` given to the constructor. They are copied once into shared memory; each
-        worker applies the newest complete version at its next batch boundary (never within a
-        batch, never half-written; an idle worker at once) and every frame it collects after
-        that carries the version in ``("collector", "policy_version")``.
+        ``policy`` given to the constructor. With worker inference they are copied once into
+        shared memory; each worker applies the newest complete version at its next batch
+        boundary (never within a batch, never half-written; an idle worker at once) and every
+        frame it collects after that carries the version in ``("collector", "policy_version")``.
+        With ``inference="server"`` they are copied into the server's own weights at once,
+        between two forward passes, and every action chosen after that carries the new version.
 
         ``model_id`` names what the weights are for: ``"policy"`` (all of the workers' policy)
         or one of its submodules, ``"policy.<path>"`` with the path ``get_submodule`` takes
@@ -294,16 +301,16 @@ class Collector(Service, BlockingMixin):
         wait to be delivered) nothing is waited for, so the loop ``async for batch in c: ...;
         await c.update_weights(policy)`` ends cleanly. A worker being replaced after a failure
         is waited for (its replacement applies the newest version before its first batch).
-        ``wait=False`` returns at once. Called before the collector starts, it starts it.
+        ``wait=False`` returns once published, after yielding to the event loop once. Called
+        before the collector starts, it starts it.
 
-        **On-policy training (PPO): pass ``prefetch=0`` to the constructor** (with the default
-        ``delivery="sync"``) and call ``await collector.update_weights(policy)`` after each
-        training step: every frame of the next batch is then collected with the new version.
-        With the default ``prefetch=2``, the batches collected ahead of your request still carry
-        the version before the update (see ``("collector", "policy_version")``).
+        **On-policy training (PPO)**: with ``delivery="sync"`` and no ``prefetch``, call
+        ``await collector.update_weights(policy)`` after each training step: every frame of the
+        next batch is collected with the new version. Batches collected ahead (``prefetch=N``)
+        still carry the version before the update (see ``("collector", "policy_version")``).
 
-        The workers run a copy of the policy: training the constructor's ``policy`` in place
-        changes nothing they run until it is published: by this method, by
+        The workers and the server run a copy of the policy: training the constructor's
+        ``policy`` in place changes nothing they run until it is published: by this method, by
         ``update_at_each_batch=True`` or by the blocking ``update_policy_weights_()``. A
         collector whose policy was changed in place and that hands out another batch without an
         update in between says so once on the ``aiocollect`` logger (it reads the tensors'
@@ -317,30 +324,87 @@ class Collector(Service, BlockingMixin):
         :class:`CollectorClosedError` after :meth:`aclose` or once a worker's failure stopped
         the collection.
         """
-        if not isinstance(model_id, str):
-            raise ConfigError(f"model_id={model_id!r} must be a str: 'policy' or 'policy.<submodule path>'")
-        if weights_dict is not None:
-            if policy_or_weights is not None or model_id != "policy":
-                raise ConfigError(
-                    "pass either weights_dict={model_id: weights, ...} or policy_or_weights (with model_id), not both"
-                )
-            if not isinstance(weights_dict, Mapping) or not weights_dict:
-                raise ConfigError(f"weights_dict={weights_dict!r} must be a non-empty {{model_id: weights}} mapping")
-            updates = Updates(weights_dict, from_dict=True)
-        else:
-            updates = Updates({model_id: policy_or_weights}, from_dict=False)
-        if not isinstance(wait, bool):
-            raise ConfigError(f"wait={wait!r} must be True or False")
-        # what does not depend on the workers' policy, checked before the collector starts
         run = self._run
-        run.shared.sync.check_model_ids(updates)
-        check_worker_ids(worker_ids, self.config.workers)
-        for name, weights in updates.items():
-            if weights is not None:
-                check_weights(weights, updates.argument(name))
-        if run.state is CollectorState.CREATED:
-            run.shared.sync.check_before_start(updates)
-        return await run.update_weights(updates, worker_ids, wait)
+        updates, targets = run.shared.sync.request(
+            policy_or_weights, model_id, weights_dict, worker_ids, wait, started=run.state is not CollectorState.CREATED,
+        )
+        return await run.update_weights(updates, targets, wait)
+
+    # -- reaching into the workers' envs and policies --------------------------------------------
+    # Each returns an awaitable in async code; called where no event loop runs (the blocking
+    # wrapper: `with Collector(...)`), it blocks and returns the result. Calls that change the envs
+    # (call, set_attr, map_fn) are applied one at a time, each between two env steps of every env it
+    # names, and start a new env epoch (`env_epoch`): every frame whose step began after the call
+    # returned carries it, or a later one, in ("collector", "env_epoch"). A call before the start
+    # starts the collector. What an env raises is raised here as the worker's error (also an
+    # instance of the env's exception type, with the worker's traceback); the workers go on.
+    @property
+    def env_epoch(self) -> int:
+        """The env epoch of the latest ``call``, ``set_attr`` or ``map_fn`` (0: none yet): the
+        frames an env steps after it applied carry it in ``("collector", "env_epoch")``."""
+        return self._run.shared.env_calls.epoch
+
+    def call(self, name: str, *args: Any, indices: Any = None, workers: Any = None, persist: bool = False,
+             **kwargs: Any) -> Any:
+        """Call the method ``name(*args, **kwargs)`` of every env (gymnasium's ``VectorEnv.call``,
+        SB3's ``env_method``; an attribute that is not callable is returned as it is); its results,
+        one per env row in row order. ``indices``: only those env rows (a batch's rows: each
+        worker's envs in worker order, a vector env's sub-envs each a row); ``workers``: only
+        the rows of those workers. ``persist=True``: a worker replaced after a failure calls it
+        again on its new envs before its first batch (as ``set_attr`` always does).
+
+        Examples:
+            >>> await collector.call("set_level", 3)   # doctest: +SKIP
+        """
+        return self._awaitable_or_blocking("call()", lambda: _env_calls.reach(
+            self._run, "call()", "call", name, args, kwargs, indices=indices, workers=workers, persist=persist))
+
+    def get_attr(self, name: str, indices: Any = None, *, workers: Any = None) -> Any:
+        """The attribute ``name`` of every env (looked up through gymnasium's wrappers, as
+        gymnasium's vector envs do), one per env row in row order (``indices``, ``workers``: as
+        :meth:`call`). A read: it starts no env epoch."""
+        return self._awaitable_or_blocking("get_attr()", lambda: _env_calls.reach(
+            self._run, "get_attr()", "get", name, indices=indices, workers=workers))
+
+    def set_attr(self, name: str, values: Any, indices: Any = None, *, workers: Any = None) -> Any:
+        """Set the attribute ``name`` of every env (through gymnasium's wrappers: the wrapper or
+        env that has it): to ``values`` itself, or, for a list or tuple, to one value per env
+        row (gymnasium's ``VectorEnv.set_attr``). Kept for the run: a worker replaced after a
+        failure sets it on its new envs before its first batch. Returns the env epoch it starts
+        (see :attr:`env_epoch`).
+
+        Examples:
+            >>> epoch = await collector.set_attr("max_steps", 200)   # doctest: +SKIP
+            >>> # every frame with batch["collector", "env_epoch"] >= epoch stepped with it
+        """
+        async def set_it() -> int:
+            await _env_calls.reach(self._run, "set_attr()", "set", name, indices=indices, workers=workers, value=values)
+            return self.env_epoch
+        return self._awaitable_or_blocking("set_attr()", set_it)
+
+    def map_fn(self, fn: Callable[..., Any], *args: Any, indices: Any = None, workers: Any = None,
+               persist: bool = False, **kwargs: Any) -> Any:
+        """Call ``fn(env, *args, **kwargs)`` on every env in its worker (``fn`` travels with
+        cloudpickle, as env factories do: a lambda works); its results, one per env row
+        (``indices``, ``workers``, ``persist``: as :meth:`call`). A vector env's sub-envs are
+        reached where it keeps them in its process (``SyncVectorEnv``)."""
+        return self._awaitable_or_blocking("map_fn()", lambda: _env_calls.reach(
+            self._run, "map_fn()", "fn", "", (fn, *args), kwargs, indices=indices, workers=workers, persist=persist))
+
+    def getattr_env(self, attr: str) -> Any:
+        """TorchRL's name: the attribute ``attr`` of the first env (env row 0); see :meth:`get_attr`
+        for every env."""
+        async def first() -> Any:
+            return (await _env_calls.reach(self._run, "getattr_env()", "get", attr, indices=[0]))[0]
+        return self._awaitable_or_blocking("getattr_env()", first)
+
+    def getattr_policy(self, attr: str) -> Any:
+        """TorchRL's name: the attribute ``attr`` of the policy replica in worker 0 (the one it
+        acts with, weights as last applied). Not with ``inference="server"``, whose policy is
+        in this process."""
+        async def first() -> Any:
+            return (await _env_calls.reach(self._run, "getattr_policy()", "policy", attr))[0]
+        return self._awaitable_or_blocking("getattr_policy()", first)
 
     # -- profiling and stats ---------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
@@ -427,17 +491,24 @@ class Collector(Service, BlockingMixin):
 
         Cancelling a waiting ``start()`` does not stop the start-up: a later ``start()`` takes
         it from there. :meth:`aclose` ends it, as does a cancelled ``async with`` entry (which
-        closes the collector), even one stuck in an env factory that never returns: workers
-        still starting get ``shutdown_timeout`` seconds, then are killed (with the local
-        backend, whose factories run in a thread of this process, the factory is left to finish
-        there and what it builds is closed). When the start-up fails or is cancelled, none of
-        its worker processes is alive any more by the time the error reaches the caller.
+        closes the collector), even one stuck in an env factory that never returns: control
+        comes back within about a second (nothing was collected yet): workers still in their env
+        factories get half a second, then are killed, and workers that built their envs get
+        ``shutdown_timeout`` seconds to close them (with the local backend, whose factories run
+        in a thread of this process, the factory is left to finish there and what it builds is
+        closed). When the start-up fails or is cancelled, none of its worker processes is alive
+        any more by the time the error reaches the caller.
 
         With ``replay_buffer`` (any object with ``extend(batch)``, sync or async: an
         :class:`~aiocollect.ReplayBuffer`, a TorchRL buffer ...) the collector collects in the
         background and writes every batch into it, until ``total_frames`` or :meth:`aclose`;
         :meth:`pause` holds the writes. Errors (of the workers or of ``extend``) are raised by
-        :meth:`aclose`. Batches then go to the buffer only: :meth:`collect` refuses.
+        :meth:`aclose`. Batches then go to the buffer only: :meth:`collect` refuses. Pass it at
+        the first start, or on a started collector whose batches nobody asked for yet (``async
+        with Collector(...) as c: await c.start(replay_buffer=rb)``): every batch, those collected
+        ahead meanwhile included, goes to the buffer. Once a batch was asked for (:meth:`collect`,
+        ``async for``), or with a buffer or queue already attached, it raises
+        :class:`AiocollectError`.
 
         With ``queue`` (instead of ``replay_buffer``: an ``asyncio.Queue``, the send side of
         ``anyio.create_memory_object_stream()`` or of ``trio.open_memory_channel()``) every batch
@@ -470,6 +541,9 @@ class Collector(Service, BlockingMixin):
                     pass
             raise
         return self
+
+    def _closing(self, closer: str) -> None:
+        self._run.note_closer(closer)  # (named by CollectorClosedError's messages)
 
     async def aclose(self) -> None:
         """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is

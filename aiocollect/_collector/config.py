@@ -52,6 +52,8 @@ MODE_OPTIONS: tuple[Needs, ...] = (
           "use inference='server' (worker inference runs one pass per worker over its own envs)"),
     Needs("server_priority", "normal", *_SERVER, "is the priority of the inference server's thread",
           "use inference='server' (with worker inference there is no server)"),
+    Needs("server_weights", "copy", *_SERVER, "chooses what the inference server's forward passes run",
+          "use inference='server' (worker inference runs a copy of the policy in each worker)"),
     Needs("compile_policy", False, *_SERVER, "wraps the policy the inference server runs",
           "use inference='server' (worker inference runs a plain copy of the policy in each worker)"),
     Needs("cudagraph_policy", False, *_SERVER, "wraps the policy the inference server runs",
@@ -73,6 +75,9 @@ MODE_OPTIONS: tuple[Needs, ...] = (
     Needs("traj_format", "pad", "trajs_per_batch", None, "lays out the complete episodes of trajs_per_batch",
           "pass trajs_per_batch=<episodes per batch> too, or drop traj_format (split_trajs always pads)"),
     POLICY_STATE,
+    Needs("policy_out_keys", None, "policy_or_factory", None, "names the tensors a plain nn.Module policy returns",
+          "pass the policy (policy= or policy_factory=), or drop policy_out_keys (random actions have no outputs to "
+          "name)", label="policy"),
     Needs("max_decorrelation_steps", 0, "reset_at_each_iter", (False,), "staggers the envs' episodes before the first "
           "batch", "reset_at_each_iter=True resets every env at each batch, all in step again: drop one of them"),
 )
@@ -83,7 +88,32 @@ is refused, naming both (checked in this order, once the settings themselves are
 @public
 @dataclasses.dataclass(frozen=True)
 class CollectorConfig:
-    """Every option of :class:`~aiocollect.Collector` (see its docstring for the whole story)."""
+    """Every option of :class:`~aiocollect.Collector`, checked and frozen.
+
+    ``Collector(env, policy, **options)`` builds one and keeps it as ``collector.config``; each
+    keyword of the constructor is a field here, with the same name, type and default. Invalid
+    values and combinations raise :class:`ConfigError` at construction, before any process
+    starts; an option that needs another setting (``worker_groups`` needs
+    ``inference="server"``) names both.
+
+    The options by what they decide:
+
+    - what to collect: ``create_env_fn``, ``policy``, ``policy_factory``, ``frames_per_batch``,
+      ``total_frames``, ``max_frames_per_traj``, ``init_random_frames``, ``seed``;
+    - where it runs: ``num_workers``, ``envs_per_worker``, ``backend``, ``inference``,
+      ``policy_device``, ``storing_device``, ``worker_cpus``;
+    - how batches arrive: ``delivery``, ``prefetch``, ``zero_copy``, ``split_trajs``,
+      ``trajs_per_batch``, ``postproc``;
+    - what happens on failure: ``on_worker_failure``, ``max_restarts``, ``step_timeout``.
+
+    Every option with its default and meaning: ``docs/options.md`` (generated from these
+    fields' docs), or ``help(aiocollect.CollectorConfig)``.
+
+    Examples:
+        >>> config = CollectorConfig("CartPole-v1", frames_per_batch=256, num_workers=2)
+        >>> config.delivery, config.inference
+        ('sync', 'worker')
+    """
 
     create_env_fn: Any
     """A gymnasium env id (``"CartPole-v1"``) or a callable returning a ``gymnasium.Env``, or a
@@ -126,6 +156,15 @@ class CollectorConfig:
     worker, or a list of one per worker (distinct policies, e.g. one per agent or league member;
     they must produce the same outputs, and :meth:`Collector.update_weights` with ``worker_ids``
     updates each one's weights)."""
+    policy_out_keys: Sequence[str | tuple[str, ...]] | None = None
+    """Names of the tensors a plain ``nn.Module`` policy returns as a tuple, in order, ``"action"``
+    among them (what a ``TensorDictModule``'s ``out_keys`` would say): with
+    ``policy_out_keys=["action", "sample_log_prob", "state_value"]`` a module returning
+    ``(action, log_prob, value)`` steps the envs with ``action`` and the batch holds all three
+    under those names. ``None``: a module returns the action alone, or a dict of tensors that
+    names its outputs itself (``{"action": a, "sample_log_prob": lp, "state_value": v}``; it must
+    hold ``"action"``). Worker and server inference alike; refused for a TensorDict policy, which
+    names its outputs itself."""
     max_frames_per_traj: int | None = None
     """Truncate episodes after this many frames (``("next", "truncated")`` is set); ``None`` (or
     TorchRL's ``-1``): no limit."""
@@ -144,10 +183,19 @@ class CollectorConfig:
     text line updated in place without."""
     seed: int | None = None
     """Seed of env 0; env ``k`` gets ``seed + k``. Same as calling :meth:`Collector.set_seed`."""
-    prefetch: int = 2
-    """Batches the workers may collect ahead of the consumer's requests (0: strictly on demand; the
-    on-policy (PPO) setting with ``delivery="sync"``: each batch is collected with the newest weights
-    published before it was asked for, where batches collected ahead carry the older version)."""
+    prefetch: int = 0
+    """Batches the workers may collect ahead of the consumer's requests. ``0`` (the default):
+    with ``delivery="sync"`` no env steps between handing out a batch and the next request, as
+    TorchRL's ``MultiSyncCollector``, so the loop "train on the batch, ``update_weights``, next batch"
+    is on-policy: every frame of the next batch carries the version published before it was asked
+    for. ``N > 0`` collects ``N`` batches ahead while you train: more frames per second when training
+    takes a while (the envs need not wait for it), at a cost in staleness: a batch handed out after an
+    update may have been collected up to ``N`` versions before it (see ``("collector",
+    "policy_version")``), and more shared memory: each worker has 4 batch slots with
+    ``prefetch=0``, ``2 * prefetch + 3`` above (without ``zero_copy``).
+    ``delivery="async"`` (TorchRL's ``MultiAsyncCollector``, off-policy by nature) always lets its
+    workers run ahead into their free slots, whatever ``prefetch`` is; there ``prefetch`` only adds
+    batches assembled ahead (and their slots)."""
     zero_copy: bool | Literal["debug"] = False
     """Deliver each batch as views on the workers' shared memory that are handed back at the next
     request, kept or not (TorchRL's ``return_same_td``, without the reuse of one TensorDict).
@@ -160,13 +208,25 @@ class CollectorConfig:
     ``"debug"``: reading a batch after it was handed back crashes the process with a traceback
     (the memory is protected) instead of silently reading newer frames."""
     shutdown_timeout: float = 5.0
-    """Seconds a worker gets to close its envs and exit before it is killed; also what a start-up
-    that is cancelled (or closed) gets, even one stuck in an env factory. With the local backend a
-    factory runs in a thread, which cannot be killed: after these seconds it is left to finish."""
+    """Seconds a worker gets to close its envs and exit before it is killed. A start-up that is
+    cancelled (Ctrl-C, a cancel scope, :meth:`Collector.aclose`) or fails gives control back
+    within about a second, even one stuck in an env factory: a worker still in its env factories
+    has nothing to close yet and gets half a second (at most this), then is killed; one that built
+    its envs gets these seconds to close them. With the local backend a factory runs in a thread,
+    which cannot be killed: it is left to finish there, and what it builds is closed."""
     postproc: Callable[[Any], Any] | None = None
     """Transforms each batch before delivery (sync or async; returns the batch to deliver)."""
     update_at_each_batch: bool = False
     """Publish the weights of ``policy`` (the collector's reference) before each batch."""
+    frames_per_update: int | None = None
+    """Background collection (``start(replay_buffer=...)``, ``start(queue=...)``) only: collect at
+    most this many frames per ``update_weights()`` call, the replay ratio off-policy methods tune
+    (SB3's ``train_freq`` with ``gradient_steps``; with ``G`` gradient steps per update and
+    ``B`` frames per sample, ``G * B / frames_per_update`` is how often each frame is replayed).
+    The workers get this many frames before the first call and this many more after each, so the
+    frames written are ``frames_per_update * (updates + 1)``, rounded down to whole batches
+    (``frames_per_batch``); collection waits for the next update meanwhile. ``None`` (the
+    default): as fast as the workers go."""
     trajs_per_batch: int | None = None
     """Deliver batches of this many complete episodes (instead of ``frames_per_batch`` frames)."""
     traj_format: Literal["pad", "padded", "cat"] = "pad"
@@ -199,8 +259,8 @@ class CollectorConfig:
     meaning; the envs always step on the CPU)."""
     policy_device: Any = None
     """Where the policy runs: ``"cpu"``, or a CUDA device with ``inference="server"`` (the
-    policy object is moved there once). ``None``: worker inference on the CPU; the server where
-    the policy's parameters are."""
+    server's copy of the weights lives there; your module stays where it is). ``None``: worker
+    inference on the CPU; the server where the policy's parameters are."""
     env_device: Any = None
     """Gymnasium envs step on the CPU: ``None`` or ``"cpu"``."""
     worker_groups: int = 1
@@ -215,14 +275,22 @@ class CollectorConfig:
     server_priority: Literal["normal", "idle"] = "normal"
     """``inference="server"``: the scheduling priority of the server's thread. ``"idle"`` runs it
     under Linux's ``SCHED_IDLE``: it gives way at once to any other thread that wants its core, so a
-    forward pass never delays the event loop's wakeups (on a 2-core machine with a Nature-CNN on
-    Pong, the loop's p99 lag went from 3.2 to 0.6 ms with one worker and from 3.9 to 2.7 ms with two,
-    at equal or better frames per second; see ``docs/inference.md``). Its cost: on a machine busy
-    with other work (your training on the CPU in another thread, other processes), the server only
-    gets the CPU left over, and collection all but stops (Pong beside a busy trainer thread: 22
-    frames/s against 1,217 at normal priority); a warning on the ``aiocollect`` logger says so
-    when the server's thread waits for a CPU more than 60% of the time. For a spare CPU or a GPU
-    trainer, not for training on the same CPUs."""
+    forward pass never delays the event loop's wakeups (see ``docs/inference.md``). Its cost: on a
+    machine busy with other work (your training on the CPU in another thread, other processes), the
+    server only gets the CPU left over, and collection all but stops; a warning on the
+    ``aiocollect`` logger says so when the server's thread waits for a CPU more than 60% of the
+    time. For a spare CPU or a GPU trainer, not for training on the same CPUs."""
+    server_weights: Literal["copy", "shared"] = "copy"
+    """``inference="server"``: what the server's forward passes run. ``"copy"`` (the default): a
+    copy of the policy's weights of its own, on ``policy_device``; your module stays where and what
+    you made it, and :meth:`Collector.update_weights` is the only way new weights reach a forward
+    pass, so train the module in place as you like and every frame's ``policy_version`` names the
+    weights that chose it. It costs one more copy of the weights on ``policy_device`` (see the
+    benchmarks page for an update's latency). ``"shared"`` runs your module object itself (moved to
+    ``policy_device`` in place), for a policy too large for a second copy: then an in-place change
+    (an optimizer's ``step()``) reaches the next forward pass before ``update_weights`` makes its
+    version, and a pass that runs during the step can read half-updated weights; train a copy and
+    pass its weights (``update_weights(trained.state_dict())``) to keep versions exact."""
     compile_policy: bool | dict = False
     """``inference="server"``: run the policy through ``torch.compile`` (``True``, or a dict of
     its keyword arguments); compiled during start-up, for every number of rows a forward pass can
@@ -249,11 +317,10 @@ class CollectorConfig:
     it makes its envs and kept by a replacement): ``None`` leaves them to the kernel; a set of CPU
     numbers is for every worker (``range(1, 4)``: the kernel spreads them over CPUs 1 to 3); a
     list of one set per worker places each (``[[1], [2]]``). Each CPU must be one this process may
-    run on (``os.sched_getaffinity(0)``). With ``inference="server"`` on a machine with fewer cores
-    than busy threads, keeping the workers off one core (``sorted(os.sched_getaffinity(0))[1:]``)
-    leaves it to the event loop and the server's thread: with ``server_priority="idle"``, 2 workers
-    of Pong on 2 cores, the loop's p99 lag went from 1.9 to 0.6 ms at 0.78 of worker inference's
-    frames per second (0.76 without; see ``docs/inference.md``). ``backend="process"`` only."""
+    run on (``os.sched_getaffinity(0)``). With ``inference="server"`` and
+    ``server_priority="idle"`` on a machine with fewer cores than busy threads, keeping the
+    workers off one core (``sorted(os.sched_getaffinity(0))[1:]``) leaves it to the event loop and
+    the server's thread (see ``docs/inference.md``). ``backend="process"`` only."""
 
     categorical_action_encoding: bool = True
     """How a Discrete action is stored: ``True``, its index (``[]`` int64); ``False``, one-hot
@@ -392,6 +459,7 @@ class CollectorConfig:
         check_choice("traj_format", self.traj_format, ("pad", "padded", "cat"), "'pad' (or TorchRL's 'padded') or 'cat'")
         check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
         check_choice("server_priority", self.server_priority, ("normal", "idle"))
+        check_choice("server_weights", self.server_weights, ("copy", "shared"))
 
     def _check_backend_name(self) -> None:
         """A backend of aiocollect's by name (or None), or a backend object."""
@@ -432,6 +500,9 @@ class CollectorConfig:
     def _check_policy(self) -> None:
         """``policy`` and ``policy_factory``, and where the policy runs (the server's options, devices)."""
         check_policy_args(self.policy, self.policy_factory)
+        from .._worker.policy import check_out_keys
+
+        object.__setattr__(self, "policy_out_keys", check_out_keys(self.policy_out_keys, self.policy))
         object.__setattr__(self, "recurrent_state", check_recurrent_state(self.recurrent_state))
         if self.recurrent_state is not None:
             from .._worker.policy import check_recurrent_policy
@@ -523,6 +594,13 @@ class CollectorConfig:
             )
         if self.postproc is not None and not callable(self.postproc):
             raise ConfigError(f"postproc={self.postproc!r} must be a callable taking and returning a batch")
+        if self.frames_per_update is not None:
+            positive_int("frames_per_update", self.frames_per_update)
+            if self.update_at_each_batch:
+                raise ConfigError(
+                    f"frames_per_update={self.frames_per_update} counts your update_weights() calls, but "
+                    f"update_at_each_batch=True publishes the weights before each batch itself; drop one of them"
+                )
 
     def _check_lifecycle(self) -> None:
         """Start, failures and shutdown: what travels to the workers, restarts, timeouts, the profiler."""

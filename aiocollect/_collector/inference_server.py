@@ -1,6 +1,6 @@
 """Server inference (``inference="server"``), the collector's side: :class:`InferenceServer` runs
-the user's own policy object on the observations of many workers at once (the protocol and the
-worker's side are in :mod:`aiocollect._worker.inference_client`).
+a copy of the user's policy (weights of its own) on the observations of many workers at once
+(the protocol and the worker's side are in :mod:`aiocollect._worker.inference_client`).
 
 **Where it runs.** The forward passes run in a thread of their own, not as a coroutine on the
 user's event loop: a step of the server is a wait on every worker's request eventfd
@@ -10,13 +10,19 @@ loop (a CartPole MLP over 64 envs takes ~0.1 ms, a Nature-CNN over 8 Atari frame
 per step of the envs: hundreds of times a second), and every step would cost two trips through
 the loop's selector. In a thread the loop only shares the GIL with it, between kernels.
 
-**Weights.** The policy is the user's object, not a copy: the server's forward passes see the
-weights as they are. :meth:`InferenceServer.update` is what ``update_weights`` does here:
-weights given as another module or a state dict are loaded into the policy under the server's
-lock (no forward pass sees them half-loaded), and the version goes up in the same hold of it;
-every frame carries the version of the forward pass that chose its action, read under that lock,
-so it always names the weights that computed the action. Changing the policy's weights in place
-elsewhere (an optimizer's ``step()``) is not guarded: a forward pass may run during it.
+**Weights.** The server runs weights of its own (``server_weights="copy"``, the default): a
+copy of the user's policy made once, on ``policy_device``, that nothing but
+:meth:`InferenceServer.load` changes. ``update_weights`` matches what it is given against the
+copy's tensors (in the weight sync, as for the workers' store) and :meth:`~InferenceServer.load`
+copies them in and sets the new version in one hold of the server's lock, under which every
+forward pass runs and reads the version: a pass sees both old or both new, never a torn state,
+whatever the trainer does to its own module meanwhile. On CUDA the copies run on the server's
+stream, after the work the caller queued on its current stream, and the caller's stream then
+waits for them (so a later in-place step cannot change what is being copied); forward passes
+never wait on the trainer's stream otherwise. ``compile_policy`` and ``cudagraph_policy`` wrap
+the copy: loads are in-place ``copy_`` into the same tensors, so a graph is never rebuilt.
+``server_weights="shared"`` runs the user's module itself (no second copy): in-place training
+then reaches forward passes before its version is made.
 """
 
 from __future__ import annotations
@@ -103,15 +109,18 @@ class InferenceServer:
 
     def __init__(self, policy: Any, spec: dict, seats: int, rows: int, exploration_type: str,
                  device: Any = None, compile_policy: Any = False, cudagraph_policy: Any = False,
-                 env_batch_size: int | None = None, priority: str = "normal", state: tuple = ()) -> None:
+                 env_batch_size: int | None = None, priority: str = "normal", state: tuple = (),
+                 weights: str = "copy", out_keys: Any = None) -> None:
         from .._worker.policy import PolicySpec, build_runner
 
-        self.policy = policy
+        self.device = _place(policy, device)  # where the forward passes run
+        policy = self.policy = own_policy(policy, device, weights)
         self.seats, self.rows = seats, rows
         self.obs_leaves: list[Leaf] = spec["obs"]
         self.act_leaves: list[Leaf] = spec["act"]
         self.act_space = spec["act_space"]
-        local = PolicySpec("local", exploration_type=exploration_type, state=state)
+        named: dict[str, Any] = {} if out_keys is None else {"out_keys": out_keys}  # policy_out_keys
+        local = PolicySpec("local", exploration_type=exploration_type, state=state, **named)
         self._build = lambda n: _served(build_runner(  # a runner per number of rows served at once
             local, self.act_space, self.act_leaves, self.obs_leaves, n, [], policy
         ))
@@ -129,7 +138,13 @@ class InferenceServer:
         self._pending: set[int] = set()  # seats whose request is not answered yet
         self._idle = set(range(seats))  # seats between batches (their worker says so: IDLE)
         self._compiled: Any = None
-        self.device = _place(policy, device)  # where the forward passes run
+        # the tensors update_weights loads into (by name, as the workers' weight layout names them)
+        self.weights: dict[str, Any] = weight_tensors(policy)
+        self.weights_layout: Any = None
+        if self.weights:
+            from .._worker.weights import WeightLayout
+
+            self.weights_layout = WeightLayout.of(self.weights)
         if cudagraph_policy is not False and (self.device is None or self.device.type != "cuda"):
             raise ConfigError(
                 f"cudagraph_policy={cudagraph_policy!r} needs the policy on a CUDA device (CUDA graphs); the server's "
@@ -140,6 +155,7 @@ class InferenceServer:
             import torch
 
             self.stream = torch.cuda.Stream(self.device)  # the server's own: never the user's default stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the copy of the weights made above)
             self._pinned: dict[tuple, Any] = {}
             self._pinned_uses: dict[tuple, int] = {}  # this pass's inputs staged, per shape and dtype
         self.version = 0
@@ -372,13 +388,12 @@ class InferenceServer:
             os.eventfd_write(self.resp_fds[w], ACTIONS_READY)
 
     def _on_stream(self) -> Any:
-        """CUDA: the server's stream, after all the work queued on the device's default stream so
-        far (the user's training, an optimizer's step: the pass sees its results)."""
+        """CUDA: the server's own stream, which never waits on the trainer's streams (its weights
+        are its own: only :meth:`load` orders it after the caller's work)."""
         if not self.cuda:
             return contextlib.nullcontext()
         import torch
 
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
         return torch.cuda.stream(self.stream)
 
     def _wake_all(self, answer: int) -> None:
@@ -408,40 +423,31 @@ class InferenceServer:
         raise error
 
     # -- weights --------------------------------------------------------------------------------
-    def update(self, updates: Any) -> int:
-        """``update_weights`` under server inference. ``updates`` maps model ids to weights:
-        ``None`` or the policy itself (its weights as they are) only make a new version; another
-        module, a TensorDict of parameters or a state dict are loaded into the policy (the model
-        id's part of it) first, all of them or none. Used from the next forward pass on."""
-        loads = [(model_id, weights) for model_id, weights in updates.items()
-                 if weights is not None and weights is not self.policy]
-        matched: dict[str, Any] = {}
-        if loads:
-            import torch
+    def load(self, state: dict[str, Any], version: int) -> None:
+        """``update_weights``: copy ``state`` (tensors keyed as :attr:`weights` names them, all
+        or some of them, already matched by the weight sync) into the server's weights and make
+        ``version`` theirs, in one hold of the lock under which forward passes run: the next pass
+        uses both, no pass sees one without the other. On CUDA the copies are queued on the
+        server's stream after what the caller queued on its current stream, and the caller's
+        stream waits for them before anything it queues next (an in-place optimizer step cannot
+        change a tensor while it is copied). Tensors the server runs itself
+        (``server_weights="shared"``) are not copied onto themselves."""
+        import torch
 
-            from .._worker.policy import classify
-            from .._worker.weights import WeightLayout, match_state, state_of
-
-            _, fn, _, _ = classify(self.policy)
-            module = fn if isinstance(fn, torch.nn.Module) else self.policy
-            own = dict(module.state_dict(keep_vars=True))
-            layout = WeightLayout.of(own)
-            for model_id, weights in loads:  # (every part checked before anything is loaded)
-                argument = updates.argument(model_id) if hasattr(updates, "argument") else "policy_or_weights"
-                matched.update(match_state(state_of(weights, argument), layout, model_id, argument=argument))
-        # the weights and their version change in one hold of the lock, under which a forward pass
-        # reads the version: a pass sees both old or both new, never new weights with the old version
         with self.lock:
-            if matched:
-                import torch
-
-                with torch.no_grad(), self._on_stream():
-                    for name, value in matched.items():
-                        own[name].copy_(value)
-                if self.cuda:  # what the caller queues next (training on the weights given) waits for the copies
-                    torch.cuda.default_stream(self.device).wait_stream(self.stream)
-            self.version += 1
-            return self.version
+            if self.cuda:
+                caller = torch.cuda.current_stream(self.device)
+                self.stream.wait_stream(caller)
+            with torch.no_grad(), self._on_stream():
+                for name, value in state.items():
+                    own = self.weights[name]
+                    if value.data_ptr() != own.data_ptr() or value.device != own.device:
+                        own.copy_(value, non_blocking=self.cuda)
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                caller.wait_event(done)
+            self.version = version
 
     # -- the end --------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -466,19 +472,58 @@ class InferenceServer:
 
 
 def _place(policy: Any, device: Any) -> Any:
-    """The device the server's forward passes run on: ``policy_device`` (the policy object is
-    moved there, once, in place, as TorchRL's collectors do), else where its parameters are
-    (``None``: no parameters, the CPU)."""
+    """The device the server's forward passes run on: ``policy_device``, else where the policy's
+    parameters are (``None``: no parameters, the CPU)."""
     import torch
 
     if device is not None:
-        if isinstance(policy, torch.nn.Module):
-            policy.to(device)
-        return device
+        return torch.device(device)
     if isinstance(policy, torch.nn.Module):
         for p in policy.parameters():
             return p.device
     return None
+
+
+def own_policy(policy: Any, device: Any, weights: str) -> Any:
+    """The policy object the server runs. ``weights="copy"``: a deep copy of a module (gradients
+    dropped), on ``device`` if given; the user's module is left where and what it is.
+    ``"shared"``: the module itself, moved to ``device`` in place. A policy that is not a module
+    (a plain function) has no weights of its own to copy: it is run as it is."""
+    import copy
+
+    import torch
+
+    if not isinstance(policy, torch.nn.Module):
+        return policy
+    if weights == "shared":
+        return policy if device is None else policy.to(device)
+    try:
+        own = copy.deepcopy(policy)
+    except Exception as exc:
+        raise ConfigError(
+            f"inference='server' runs a copy of the policy's weights of its own, and copy.deepcopy() of the policy "
+            f"({type(policy).__name__}) failed ({type(exc).__name__}: {exc}); make it deep-copyable, or pass "
+            f"server_weights='shared' to run your module itself (then train a copy and pass its weights to "
+            f"update_weights)"
+        ) from exc
+    for p in own.parameters():
+        p.grad = None
+    return own if device is None else own.to(device)
+
+
+def weight_tensors(policy: Any) -> dict[str, Any]:
+    """The server's weights, keyed as the workers' weight layout names them (the state dict of the
+    module a TensorDictModule wraps, as :func:`~aiocollect._worker.weights.state_of` unwraps it),
+    as the tensors themselves (parameters included) so that loads are in place."""
+    import torch
+
+    from .._worker.policy import classify
+
+    if not isinstance(policy, torch.nn.Module):
+        return {}
+    _, fn, _, _ = classify(policy)
+    module = fn if isinstance(fn, torch.nn.Module) else policy
+    return {name: t for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 
 def _served(runner: Any) -> Any:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .._backends.workers import WorkerHandle
 
 _ENDLESS = 1 << 62
+_THROTTLED_POLL = 0.005  # seconds: frames_per_update looks for a new weight version this often
 _THREAD_COPY_BYTES = 8 << 20  # larger batches are copied out of shared memory in a thread
 
 
@@ -108,6 +109,8 @@ class Producer:
         self.storing = run.config.devices["storing_device"] if run.config.stores_on_cuda else None
         self.rounds = 0  # worker batches collected (what total_frames counts)
         self.produced = 0  # batches sent into the stream (what demand counts)
+        self.first_version: int | None = None  # frames_per_update: the weight version at the start
+        self.throttled = False  # frames_per_update holds the workers until the next update_weights()
 
     def wake(self, worker: "WorkerHandle | None" = None) -> None:
         if worker is not None:
@@ -115,9 +118,25 @@ class Producer:
         self.wakeup.set()
 
     # -- credits and waiting --------------------------------------------------------------------
+    def _allowed_rounds(self) -> int | None:
+        """``frames_per_update`` (background collection): the rounds the updates so far allow in
+        all, ``frames_per_update * (updates + 1)`` frames in whole rounds; ``None``: no bound."""
+        run, c = self.run, self.run.config
+        if c.frames_per_update is None or run.sink is None:
+            return None
+        if self.first_version is None:
+            self.first_version = run.sync.version
+        updates = max(run.sync.version - self.first_version, 0)
+        return c.frames_per_update * (updates + 1) // c.frames_per_batch
+
     async def _pump(self, remaining: int) -> None:
         """Grant workers the credits they may collect with now."""
         run, c = self.run, self.run.config
+        allowed = self._allowed_rounds()
+        if allowed is not None:
+            remaining = min(remaining, allowed)
+            # (async delivery: each worker's round is a batch, so the rounds are shared out below)
+            self.throttled = self.rounds >= allowed
         if c.delivery == "sync":
             # rounds, not deliveries: the rounds taken so far, plus one for each delivery the
             # consumers want (``prefetch`` ahead). A round delivers one batch, except under
@@ -128,7 +147,16 @@ class Producer:
             target = min(remaining, self.rounds + wanted)
             if c.update_at_each_batch and run.sync.can_pull and any(w.credits_sent < target for w in run.workers):
                 # pulled right before the workers may start the next batch(es)
-                await run.sync.publish({"policy": None}, list(range(c.workers)))
+                await run.pull_weights()
+        elif allowed is not None:
+            # rounds in all, not per worker: one more at a time to the worker with the fewest
+            owed = allowed - sum(w.credits_sent for w in run.workers)
+            for w in sorted(run.workers, key=lambda w: w.credits_sent)[: max(owed, 0)]:
+                try:
+                    await w.grant(1)
+                except BrokenWorkerError:
+                    pass
+            return
         else:
             target = remaining
         for w in run.workers:
@@ -154,7 +182,11 @@ class Producer:
                 return
             if run.errors.pending is not None and not self._deliverable():
                 raise run.errors.pending
-            await self.wakeup.wait()
+            if self.throttled:  # nothing tells this task of an update_weights(): look again soon
+                with anyio.move_on_after(_THROTTLED_POLL):
+                    await self.wakeup.wait()
+            else:
+                await self.wakeup.wait()
 
     # -- the loop -------------------------------------------------------------------------------
     async def produce(self) -> None:
@@ -187,7 +219,7 @@ class Producer:
                 raise run.errors.pending
             index = first_index + self.produced
             if c.update_at_each_batch and run.sync.can_pull and not sync:
-                await run.sync.publish({"policy": None}, list(range(c.workers)))
+                await run.pull_weights()
             profiling = run.profiling
             recorder = profiling.recorder
             if recorder is not None:
@@ -225,7 +257,7 @@ class Producer:
             if run.bus.listens_to(ev.EpisodeEnded):
                 for worker, info in infos:
                     for env, traj_id, ret, length, terminated in info.episodes:
-                        await run.bus.emit(ev.EpisodeEnded(
+                        await run.emit_event(ev.EpisodeEnded(
                             worker=worker, env=env, traj_id=traj_id, ret=ret, length=length,
                             terminated=terminated, policy_version=info.version,
                         ))
@@ -241,7 +273,7 @@ class Producer:
         run.send.close()  # consumers drain what is buffered, then get EndOfCollection
         if run.sink is not None:
             await self.drained.wait()  # every batch is in the replay buffer
-        run.stop.set()  # total_frames reached: release the workers now
+        run.request_stop()  # total_frames reached: release the workers now
 
     async def _deliver(
         self, batch: "TensorDictBase", index: int, counted: list, infos: list, timing: dict, lease: "Lease | None" = None

@@ -9,11 +9,19 @@ delivery ends (``total_frames`` reached, a failure, a start that failed or was c
 ``aclose()``) :meth:`QueueSink.end` closes the user's side: the stream or
 channel is closed (its receivers' ``async for`` ends once they took what is buffered), an
 ``asyncio.Queue`` is shut down where Python has ``Queue.shutdown`` (3.13+).
+
+A ``queue.Queue`` (a thread queue) is written from the collector's own loop, in its thread
+(background collection, :mod:`~aiocollect._collector.offloop`): for a consumer that is a thread,
+or a synchronous training loop that takes batches with ``get_nowait()`` between gradient steps
+without awaiting. A full one holds the collector (it is polled every few milliseconds, never
+waited on with a blocking ``put``). The other kinds belong to the caller's loop, and are written
+there (:func:`writes_on_user_loop`): while that loop is held by synchronous code, nothing is put.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue as thread_queue
 import sys
 from typing import Any, Awaitable, Callable
@@ -24,7 +32,8 @@ from .._core.errors import ConfigError
 from .._service.resource import loop_token
 
 # the kinds of queue: put() into an asyncio.Queue, send() into an anyio stream or a trio channel
-_ASYNCIO, _STREAM = "asyncio.Queue", "send stream"
+_ASYNCIO, _STREAM, _THREAD = "asyncio.Queue", "send stream", "queue.Queue"
+_FULL_POLL = 0.002  # seconds between tries to put into a full thread queue
 
 
 class QueueSink:
@@ -34,7 +43,9 @@ class QueueSink:
         self.queue = queue
         self.kind = kind
         self.close_queue = close_queue
-        self._put: Callable[[Any], Awaitable[Any]] = queue.put if kind == _ASYNCIO else queue.send
+        self._put: Callable[[Any], Awaitable[Any]] = (
+            queue.put if kind == _ASYNCIO else self._put_thread if kind == _THREAD else queue.send
+        )
         # set once the user's side ended the delivery: every receiver closed, the queue closed or
         # shut down; the collector then stops as at total_frames (the consumer's choice, no error)
         self.consumer_gone = False
@@ -46,13 +57,21 @@ class QueueSink:
         except _consumer_gone_errors():
             self.consumer_gone = True
 
+    async def _put_thread(self, batch: Any) -> None:
+        while True:
+            try:
+                self.queue.put_nowait(batch)
+                return
+            except thread_queue.Full:
+                await anyio.sleep(_FULL_POLL)  # (a blocking put would hold the loop: aclose() must end it)
+
     async def end(self) -> None:
         """The delivery ended: close the user's side (where asked and possible), once. Runs
         shielded: it also ends a delivery that ``aclose()`` cancelled, or that never began."""
         if not self.close_queue or self._ended:
             return
         self._ended = True
-        if self.kind == _ASYNCIO:
+        if self.kind in (_ASYNCIO, _THREAD):
             if hasattr(self.queue, "shutdown"):  # Python 3.13+
                 self.queue.shutdown()
         elif callable(getattr(self.queue, "close", None)):  # anyio's and trio's memory streams
@@ -60,6 +79,16 @@ class QueueSink:
         else:
             with anyio.CancelScope(shield=True):
                 await self.queue.aclose()
+
+
+def writes_on_user_loop(sink: Any) -> bool:
+    """Whether writes into ``sink`` belong to the caller's event loop: a queue of that loop (an
+    ``asyncio.Queue``, an anyio or trio stream) or an ``async def extend``. Background collection
+    makes them there; a synchronous ``extend`` and a thread queue are written in the collector's
+    own thread."""
+    if isinstance(sink, QueueSink):
+        return sink.kind != _THREAD
+    return inspect.iscoroutinefunction(getattr(sink, "extend", None))
 
 
 def sink_for(replay_buffer: Any, queue: Any, close_queue: bool) -> Any:
@@ -94,11 +123,7 @@ def _kind_of(queue: Any) -> str:
     if isinstance(queue, asyncio.Queue):
         return _ASYNCIO
     if isinstance(queue, thread_queue.Queue):
-        raise ConfigError(
-            f"queue={queue!r:.60} is a thread queue, whose put() would block the event loop: pass an asyncio.Queue, "
-            f"an anyio memory object stream or a trio memory channel (a thread can read an anyio stream through "
-            f"anyio.from_thread)"
-        )
+        return _THREAD
     if _is_send_stream(queue):
         return _STREAM
     raise ConfigError(
@@ -114,6 +139,8 @@ def _consumer_gone_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [anyio.BrokenResourceError, anyio.ClosedResourceError]
     if hasattr(asyncio, "QueueShutDown"):  # Python 3.13+
         errors.append(asyncio.QueueShutDown)
+    if hasattr(thread_queue, "ShutDown"):  # Python 3.13+
+        errors.append(thread_queue.ShutDown)
     trio = sys.modules.get("trio")
     if trio is not None:
         errors += [trio.BrokenResourceError, trio.ClosedResourceError]

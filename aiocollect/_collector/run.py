@@ -20,8 +20,10 @@ import traceback
 from typing import TYPE_CHECKING, Any, AsyncContextManager, Mapping
 
 import anyio
+import anyio.lowlevel
 
 from .. import events as ev
+from .._backends.failures import STARTING_GRACE
 from .._backends.seat import Backend
 from .._backends.table import backend_named
 from .._core.errors import (
@@ -38,11 +40,11 @@ from .._service.resource import loop_token, unwrap_group, wait_shielded
 from .._service.supervisor import supervise, watchdog
 from .._service.systask import spawn_system_task
 from .config import CollectorConfig
+from .offloop import CollectorLoop
 from .producer import Lease, Producer
-from .queue_sink import QueueSink
+from .queue_sink import QueueSink, writes_on_user_loop
 from .run_state import CollectorState, Phase, RunState, State
 from .startup import import_in_thread, launch_workers, stop_workers
-from .weightsync import check_worker_ids
 
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see Run._run)
@@ -62,9 +64,11 @@ class Run:
         self.recv: Any = None  # the consumer's side of the batch stream
         self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
         self.consumers_waiting = 0  # the user's collect() calls waiting for a batch
+        self.tasks: Any = None  # the task group of the running run's tasks (a sink attached late joins it)
         # causes that outlive the phases they ended
         self.loop_gone = False  # the event loop that ran it ended under it
         self.abandoned = False  # its Collector was garbage-collected
+        self.closed_by: str | None = None  # what closed it, in the user's words ("aclose()", ...)
 
     @property
     def config(self) -> CollectorConfig:
@@ -80,9 +84,39 @@ class Run:
         return self.shared.phase.public
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def note_closer(self, closer: str) -> None:
+        """Record what is closing the collector (``"the end of its `async with` block"``), unless
+        something closed it already: the first closer is the one a later error names."""
+        if self.closed_by is None and self.shared.phase is not Phase.CLOSED:
+            self.closed_by = closer
+
+    def why_closed(self) -> str:
+        """What closed or stopped this collector, as a sentence about it: by whom it was closed
+        (``aclose()``, the end of its ``async with`` block, its failed start ...), or why it
+        stopped (a worker's failure, ``total_frames`` reached)."""
+        s = self.shared
+        if s.phase.closing:
+            if self.loop_gone:
+                return "this collector was closed when the event loop that started it ended"
+            return f"this collector was closed by {self.closed_by or 'aclose()'}"
+        error = s.errors.error
+        if error is not None:
+            first = str(error).partition("\n")[0][:200]
+            return f"this collector stopped on an error ({type(error).__name__}" + (f": {first})" if first else ")")
+        if s.phase in (Phase.COMPLETED, Phase.ENDED, Phase.FINISHED):
+            return f"this collector delivered its total_frames={self.config.total_frames} and stopped"
+        return f"this collector is {self.state.value}"
+
+    def closed_error(self, what: str) -> CollectorClosedError:
+        """The :class:`CollectorClosedError` for ``what`` (``"update_weights()"``, ``"collect()"``)
+        called on a collector that is closed or stopped: it names what closed it (and chains a
+        worker's error where one stopped it, when raised ``from`` it)."""
+        return CollectorClosedError(f"{what}: {self.why_closed()}; create a new Collector")
+
     def check_loop(self) -> None:
-        """A collector belongs to the event loop that started it."""
-        if self.loop is None or self.loop is loop_token():
+        """A collector belongs to the event loop that started it (and to its own loop, which
+        runs background collection's data plane)."""
+        if self.loop is None or self.loop is loop_token() or self.shared.off_loop() is not None:
             return
         if self.loop_gone:
             raise CollectorClosedError(
@@ -99,19 +133,19 @@ class Run:
     async def start(self, sink: Any = None) -> None:
         s = self.shared
         if s.phase is Phase.CLOSED:
-            raise CollectorClosedError("this collector is closed and cannot be reopened; create a new Collector")
+            raise CollectorClosedError(f"start(): {self.why_closed()}, and a closed collector cannot be reopened; "
+                                       f"create a new Collector")
         self.check_loop()
         if sink is not None:
-            if s.phase is not Phase.CREATED:
-                raise AiocollectError("start(replay_buffer=...) or start(queue=...) must be the first start of the collector")
-            if not callable(getattr(sink, "extend", None)):
-                raise ConfigError(f"replay_buffer={sink!r} has no extend(batch) method; pass a ReplayBuffer or a TorchRL buffer")
-            s.sink = sink
+            self._attach(sink)
         if s.phase is Phase.CREATED:
             self._begin()
         await self.started.wait()
         if s.phase is Phase.LAUNCH_FAILED:
             # nothing was started that could be used: the collector is closed, its error raised once
+            if self.closed_by is None:
+                error = s.errors.error
+                self.closed_by = f"its failed start ({type(error).__name__})" if error is not None else "its failed start"
             try:
                 await wait_shielded(self.done)
             finally:
@@ -120,6 +154,37 @@ class Run:
             if not s.errors.seen and s.errors.error is not None:
                 s.errors.seen = True
                 raise s.errors.error
+
+    def _attach(self, sink: Any) -> None:
+        """Background collection: every batch goes to ``sink`` from now on. Before the start, or
+        on a started collector (``async with`` entered) whose consumers took no batch yet: the
+        batches collected ahead meanwhile (``prefetch``) go to the sink too, none is lost."""
+        s = self.shared
+        if not callable(getattr(sink, "extend", None)):
+            raise ConfigError(f"replay_buffer={sink!r} has no extend(batch) method; pass a ReplayBuffer or a TorchRL buffer")
+        if s.sink is not None:
+            raise AiocollectError(
+                "this collector already writes its batches into a replay buffer or a queue (an earlier "
+                "start(replay_buffer=...) or start(queue=...)): one per collector; extend several buffers from one "
+                "object's extend(), or create a Collector per buffer"
+            )
+        if s.phase is not Phase.CREATED and (
+            s.phase not in (Phase.STARTING, Phase.RUNNING) or s.counts.requested or self.consumers_waiting
+        ):
+            if s.counts.requested or self.consumers_waiting:
+                taken = "its consumers already asked it for batches"
+            elif s.phase.public is CollectorState.RUNNING:
+                taken = "every batch of total_frames is collected already"
+            else:
+                taken = f"it is {self.state.value}"
+            raise AiocollectError(
+                f"start(replay_buffer=...) or start(queue=...) on a collector whose batches cannot all go there any "
+                f"more ({taken}): attach the buffer or queue before taking a batch (collect(), `async for`), e.g. "
+                f"`async with Collector(...) as c: await c.start(replay_buffer=rb)`, or create a new Collector"
+            )
+        s.sink = sink
+        if s.phase is Phase.RUNNING:  # its tasks run already (else _start_tasks starts the drain)
+            self.tasks.start_soon(self._drain_into_sink)
 
     def _begin(self) -> None:
         """The first start: the stream, the producer and the run's own task."""
@@ -142,6 +207,7 @@ class Run:
     def close_unstarted(self) -> bool:
         """Close a collector that never started (nothing to stop); False if it did start."""
         if self.shared.phase is Phase.CREATED:
+            self.note_closer("aclose()")
             self.shared.move_to(Phase.CLOSED)
         return self.shared.phase is Phase.CLOSED
 
@@ -157,6 +223,7 @@ class Run:
 
     async def aclose(self) -> None:
         s = self.shared
+        self.note_closer("aclose()")  # (unless a caller said more: the end of an `async with` ...)
         if self.close_unstarted():
             return
         if self.loop_gone and self.done.is_set():  # its loop ended (and stopped the workers)
@@ -168,9 +235,10 @@ class Run:
         s.stop.set()
         if self.launching is not None:
             # a start-up in progress may never end (an env factory waiting for a licence server,
-            # Ray actors for resources the cluster lacks): end it. Workers still starting get
-            # shutdown_timeout seconds, then are killed (every process forked, its hello read or
-            # not); the local backend's factories are left to finish in their thread
+            # Ray actors for resources the cluster lacks): end it. Workers still in their env
+            # factories get STARTING_GRACE, those with envs shutdown_timeout, then are killed
+            # (every process forked, its hello read or not); the local backend's factories are
+            # left to finish in their thread
             self.launching.cancel()
         try:
             await wait_shielded(self.done)  # even under task.cancel(): the workers are gone first
@@ -237,11 +305,7 @@ class Run:
     async def collect(self, *, drain: bool = False) -> "TensorDict":
         s = self.shared
         if s.phase is Phase.CLOSED:
-            raise CollectorClosedError(
-                "this collector is closed (by aclose() or close(), at the end of its `async with` or `with`, or, for "
-                "a plain `for batch in collector` without `with`, by itself when the collection ended); create a "
-                "new Collector"
-            )
+            raise self.closed_error("collect()")
         self.check_loop()
         if s.phase is Phase.ENDED:
             self.raise_end()
@@ -256,7 +320,7 @@ class Run:
                 await self.done.wait()  # the workers are gone before the end is reported
             if s.phase.closing:
                 if s.errors.error is None:
-                    raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+                    raise self.closed_error("collect() waiting for a batch") from None
             elif not drain:
                 # the end was seen: nothing is left to release (a consumer that never calls
                 # aclose(), as in `async for b in Collector(...)`, leaves nothing open)
@@ -265,7 +329,7 @@ class Run:
                 self.recv.close()
             self.raise_end()
         except anyio.ClosedResourceError:
-            raise CollectorClosedError("this collector was closed while waiting for a batch") from None
+            raise self.closed_error("collect() waiting for a batch") from None
         self.delivered(parts, frames)
         return batch
 
@@ -318,16 +382,24 @@ class Run:
 
     async def _drain_into_sink(self) -> None:
         """Background collection: every batch goes into the replay buffer or the user's queue
-        (whose side is closed when the delivery ends, however it ends)."""
+        (whose side is closed when the delivery ends, however it ends: here, or for a queue of
+        the caller's loop by the run's task there once the data plane is gone)."""
+        sink = self.shared.sink
         try:
             await self._drain()
         finally:
-            if isinstance(self.shared.sink, QueueSink):
-                await self.shared.sink.end()
+            if isinstance(sink, QueueSink) and not (self.shared.off_loop() and writes_on_user_loop(sink)):
+                await sink.end()
 
     async def _drain(self) -> None:
+        """Take each batch and write it into the sink, in order, one at a time. In the
+        collector's own loop (background collection off the caller's loop) a sink whose writes
+        belong to the caller's loop (an ``async def extend``, an ``asyncio.Queue``, an anyio or
+        trio stream) is written there, this loop waiting for it; any other is written here."""
         s = self.shared
         sink, gate = s.sink, s.gate
+        home = s.off_loop()
+        there = home if home is not None and writes_on_user_loop(sink) else None
         while True:
             try:
                 batch = await self.collect(drain=True)
@@ -337,11 +409,12 @@ class Run:
             await gate.wait_open()
             gate.writing = anyio.Event()
             try:
-                result = sink.extend(batch)
-                if inspect.isawaitable(result):
-                    await result
+                if there is not None:
+                    await there.to_user(_write, sink, batch)
+                else:
+                    await _write(sink, batch)
                 if isinstance(sink, QueueSink) and sink.consumer_gone:  # nobody takes from it now
-                    s.stop.set()
+                    s.request_stop()
                     return
             except BaseException as exc:
                 # (its frames hold the batch: a lent one would stay mapped while the error is kept)
@@ -353,10 +426,12 @@ class Run:
                 del batch
 
     # -- weights --------------------------------------------------------------------------------
-    async def update_weights(self, updates: Mapping[str, Any], worker_ids: Any, wait: bool) -> int:
+    async def update_weights(self, updates: Mapping[str, Any], targets: list[int], wait: bool) -> int:
+        """The lifecycle's part of ``update_weights`` (the weight sync checked the arguments and
+        does the rest): start a collector not started yet, refuse a closed one, count on after
+        the last batch; then publish, and wait for the targets' acknowledgements if asked."""
         s = self.shared
         sync = s.sync
-        sync.check_model_ids(updates)
         if self.state in (State.CREATED, State.STARTING):
             await self.start()  # (a start cancelled earlier may still be under way: wait for it)
         self.check_loop()
@@ -368,45 +443,16 @@ class Run:
                     f"update_weights(): the collector stopped because a worker failed ({type(s.errors.error).__name__}); "
                     f"no worker is left to update"
                 ) from s.errors.error
-            # total_frames reached: nothing will collect again, so nothing is waited for
-            self._targets(worker_ids)
-            return sync.bump()
-        targets = self._targets(worker_ids)
-        if s.server is not None:
-            return await self._update_server(updates, targets)
+            return sync.bump()  # total_frames reached: nothing will collect again, so nothing is waited for
         version = await sync.publish(updates, targets)
-        if wait and not await sync.wait_applied(version, targets, self.collecting):
+        if not wait:
+            await anyio.lowlevel.checkpoint()  # (a coroutine yields once: background work runs)
+        elif not await sync.wait_applied(version, targets, self.collecting):
             if s.errors.error is not None:
                 raise s.errors.error
             if s.phase in (Phase.RUNNING, Phase.FINISHED, Phase.COMPLETED, Phase.ENDED):
                 return version  # total_frames reached meanwhile: the rest will not collect again
             raise CollectorClosedError(f"the collector was closed before the workers applied version {version}")
-        return version
-
-    def _targets(self, worker_ids: Any) -> list[int]:
-        if self.config.inference == "server":
-            targets = check_worker_ids(worker_ids, self.config.workers)
-            if len(targets) != self.config.workers:
-                raise ConfigError(
-                    "inference='server' runs one policy for every worker: update_weights() cannot target some "
-                    "workers (worker_ids); leave worker_ids=None"
-                )
-            return targets
-        return self.shared.sync.targets(worker_ids, self.config.workers)
-
-    async def _update_server(self, updates: Mapping[str, Any], targets: list[int]) -> int:
-        """Server inference: the new weights are the server's at once (one policy for all)."""
-        s = self.shared
-        sync = s.sync
-        t0 = time.perf_counter()
-        version = s.server.update(updates)
-        sync.version = version
-        ids = tuple(updates)
-        await s.emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
-        for w in targets:
-            sync.acked[w] = version
-            await s.emit(ev.WeightsApplied, version=version, worker=w, latency=time.perf_counter() - t0)
-        sync.notify()
         return version
 
     def collecting(self) -> bool:
@@ -418,7 +464,7 @@ class Run:
         s = self.shared
         if self.state in (State.STOPPED, State.CLOSED):
             s.profiling.check(config)
-            raise CollectorClosedError(f"enable_profile() on a collector that is {self.state.value}")
+            raise self.closed_error("enable_profile()")
         s.profiling.enable(config, s.workers_ready)
 
     def disable_profile(self) -> None:
@@ -464,7 +510,8 @@ class Run:
                 self.launching.cancel()
             async with anyio.create_task_group() as starting:
                 if "tensordict" not in sys.modules:
-                    starting.start_soon(import_in_thread, "tensordict", s.config.shutdown_timeout)
+                    # (given up with the start-up: left to finish in its thread, which harms nothing)
+                    starting.start_soon(import_in_thread, "tensordict", min(s.config.shutdown_timeout, STARTING_GRACE))
                 await launch_workers(s)
         self.launching = None
 
@@ -487,7 +534,18 @@ class Run:
         if s.phase.closing:  # (closed by a handler of CollectorStarted)
             return
         s.move_to(Phase.RUNNING)
+        self.tasks = tg
+        if s.sink is not None and all(w.can_serve_off_loop for w in s.workers):
+            # start() returns once the collector's thread runs: a caller that trains right after
+            # it without awaiting gets batches (the run's task ends setting started, whatever happens)
+            tg.start_soon(self._collect_off_loop, tg)
+            return
         self.started.set()
+        self._start_data_plane(tg)
+
+    def _start_data_plane(self, tg: Any) -> None:
+        """The tasks that take the workers' batches to the consumers or the sink."""
+        s = self.shared
         for w in s.workers:
             tg.start_soon(supervise, s, w)
         tg.start_soon(s.producer.produce)  # type: ignore[union-attr]
@@ -497,6 +555,28 @@ class Run:
             tg.start_soon(watchdog, s, s.config.step_timeout)
         if s.server is not None:
             tg.start_soon(s.server.watch)
+
+    async def _collect_off_loop(self, tg: Any) -> None:
+        """Background collection: the data plane runs in the collector's own loop (a thread,
+        :mod:`~aiocollect._collector.offloop`), so that batches reach the sink while the caller's
+        thread trains without awaiting. Ends (the thread joined) when the run's task group is
+        cancelled; the data plane's error is raised here."""
+        s = self.shared
+        home = CollectorLoop(self.loop, tg)
+
+        async def data_plane() -> None:
+            async with anyio.create_task_group() as plane:
+                self._start_data_plane(plane)
+
+        s.home = home
+        for w in s.workers:
+            w.home = home
+        try:
+            await home.run(data_plane, s.config.shutdown_timeout, self.started.set)
+        finally:
+            s.home = None
+            for w in s.workers:
+                w.home = None
 
     async def _announce_stop(self) -> None:
         s = self.shared
@@ -527,6 +607,12 @@ class Run:
         s.sync.notify()
         self.started.set()
         self.done.set()
+
+
+async def _write(sink: Any, batch: "TensorDict") -> None:
+    result = sink.extend(batch)
+    if inspect.isawaitable(result):
+        await result
 
 
 # the phase a run whose workers are gone enters, by the phase it was in (else STOPPED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import anyio
@@ -23,6 +24,7 @@ from .._core.public import public
 from .._service.bus import EventBus
 from .._service.supervisor import RestartBudget
 from .config import CollectorConfig
+from .env_calls import EnvCallLog
 from .stats import Stats
 from .weightsync import WeightSync
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .._backends.seat import Backend
     from .._backends.workers import WorkerHandle
     from .._worker.rollout import RolloutConfig
+    from .offloop import CollectorLoop
     from .producer import Producer
 
 
@@ -139,33 +142,57 @@ class RunErrors:
 
 
 class PauseGate:
-    """``collector.pause()``: while a pause is held, no batch is delivered or written."""
+    """``collector.pause()``: while a pause is held, no batch is delivered or written. Its
+    events live on the loop of the run's data plane: in background collection, the collector's
+    own loop (a pause taken on the caller's loop is taken there)."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None], home: Callable[[], "CollectorLoop | None"]) -> None:
         self.paused = 0  # pauses held (they nest)
         self.resume = anyio.Event()
         self.resume.set()
         self.writing: anyio.Event | None = None  # set when a write into the sink ends
         self._wake = wake
+        self._home = home
 
     async def wait_open(self) -> None:
         while self.paused:
             await self.resume.wait()
 
-    @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
+    async def _there(self, fn: Callable[[], Any]) -> None:
+        home = self._home()
+        if home is not None and not home.on_thread():
+            await home.to_thread(fn)
+        else:
+            await fn()
+
+    async def _enter(self) -> None:
         self.paused += 1
         if self.paused == 1:
             self.resume = anyio.Event()
         try:
             if self.writing is not None:
                 await self.writing.wait()  # a write in progress finishes first
+        except BaseException:
+            await self._exit()
+            raise
+
+    async def _exit(self) -> None:
+        self.paused -= 1
+        if self.paused == 0:
+            self.resume.set()
+            self._wake()
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        entered = False
+        try:
+            await self._there(self._enter)
+            entered = True
             yield
         finally:
-            self.paused -= 1
-            if self.paused == 0:
-                self.resume.set()
-                self._wake()
+            if entered:
+                with anyio.CancelScope(shield=True):
+                    await self._there(self._exit)
 
 
 class RunState:
@@ -181,11 +208,12 @@ class RunState:
         self.seeding = Seeding(seed=c.seed)
         self.slots = SlotMemory()
         self.errors = RunErrors()
-        self.gate = PauseGate(self.wake)
+        self.gate = PauseGate(self.wake, lambda: self.home)
         self.profiling = RunProfiling(self, c.profile)
         # (stores in process memory for the local backend, and for Ray, which ships each version)
-        self.sync = WeightSync(c.policy, backend.weights_in_parent, self.emit)
+        self.sync = WeightSync(c.policy, backend.weights_in_parent, self.emit, c.workers, serving=c.inference == "server")
         self.budget = RestartBudget(c.max_restarts, c.restart_window)
+        self.env_calls = EnvCallLog()  # env epochs, and the env calls a replacement worker applies again
         self.workers: list[WorkerHandle] = []
         self.configs: list[RolloutConfig] = []
         self.workers_ready = False  # started, and their slots shared
@@ -194,6 +222,9 @@ class RunState:
         self.send: Any = None  # the producer's side of the batch stream
         self.stop = anyio.Event()  # the run's task stops the workers once set (made anew at start)
         self.sink: Any = None  # start(replay_buffer=...)
+        # background collection: the collector's own loop (a thread) that runs the data plane
+        self.home: CollectorLoop | None = None
+        self._moving = threading.RLock()  # (the phase moves on the caller's loop and in that thread)
         self.bar: Any = None  # progress bar
 
     # -- the phase ------------------------------------------------------------------------------
@@ -203,9 +234,10 @@ class RunState:
 
     def move_to(self, phase: Phase) -> None:
         """Enter ``phase``; :class:`_PhaseError` for a move the lifecycle does not allow."""
-        if phase not in TRANSITIONS[self.phase]:
-            raise _PhaseError(f"a collector's run cannot go from {self.phase.name} to {phase.name}")
-        self.phase = phase
+        with self._moving:
+            if phase not in TRANSITIONS[self.phase]:
+                raise _PhaseError(f"a collector's run cannot go from {self.phase.name} to {phase.name}")
+            self.phase = phase
 
     @property
     def collecting(self) -> bool:
@@ -215,9 +247,50 @@ class RunState:
 
     def finish(self) -> None:
         """Every batch is collected: the workers will collect no more (nobody waits for them)."""
-        if self.phase is Phase.RUNNING:
-            self.move_to(Phase.FINISHED)
-        self.sync.notify()
+        with self._moving:
+            if self.phase is Phase.RUNNING:
+                self.move_to(Phase.FINISHED)
+        self.on_user_loop(self.sync.notify)
+
+    # -- the two loops of background collection ---------------------------------------------------
+    def off_loop(self) -> "CollectorLoop | None":
+        """The collector's own loop when the current task runs in it (background collection's
+        data plane), else ``None``: what the caller's loop owns must be asked of it."""
+        home = self.home
+        return home if home is not None and home.on_thread() else None
+
+    def on_user_loop(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn()`` on the caller's loop: now if we are on it, else soon."""
+        home = self.off_loop()
+        if home is None:
+            fn()
+        else:
+            home.call_user(fn)
+
+    def request_stop(self) -> None:
+        """The run is to stop its workers (``total_frames`` delivered, a queue nobody reads)."""
+        self.on_user_loop(self.stop.set)
+
+    async def pull_weights(self) -> None:
+        """``update_at_each_batch``: publish the constructor's policy as a new version, on the
+        caller's loop, where every other publish is made (one writer of the weight store, and of
+        the versions, at a time)."""
+        home = self.off_loop()
+        targets = list(range(self.config.workers))
+        if home is None:
+            await self.sync.publish({"policy": None}, targets)
+        else:
+            await home.to_user(self.sync.publish, {"policy": None}, targets)
+
+    async def applied(self, worker: Any, version: int) -> None:
+        """A worker applied weights ``version``: recorded on the caller's loop, where
+        ``update_weights`` waits for it (from the data plane without waiting: the worker's other
+        reports go on being read)."""
+        home = self.off_loop()
+        if home is None:
+            await self.sync.on_applied(worker, version)
+        else:
+            home.post_user(self.sync.on_applied, worker, version)
 
     # -- shared helpers -------------------------------------------------------------------------
     @property
@@ -233,7 +306,16 @@ class RunState:
     async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
         """Build and emit an event, only if someone listens (events cost nothing otherwise)."""
         if self.bus.listens_to(event_type):
-            await self.bus.emit(event_type(**fields))
+            await self.emit_event(event_type(**fields))
+
+    async def emit_event(self, event: ev.Event) -> None:
+        """Emit ``event`` on the caller's loop, where its handlers and subscriptions live: from
+        background collection's own loop, it waits until that loop has run the handlers."""
+        home = self.off_loop()
+        if home is None:
+            await self.bus.emit(event)
+        else:
+            await home.to_user(self.bus.emit, event)
 
     def wake(self, worker: "WorkerHandle | None" = None) -> None:
         if self.producer is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -133,8 +133,9 @@ async def start_server(run: "RunState", spec: dict) -> list:
     groups = c.worker_groups
     server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
                              c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size,
-                             c.server_priority, c.state_leaves)
+                             c.server_priority, c.state_leaves, c.server_weights, out_keys=c.policy_out_keys)
     run.server = server
+    run.sync.serve(server)
     extras = server.probe()
     if c.compile_policy is not False or c.cudagraph_policy is not False:  # (compiling takes seconds)
         await in_own_thread(server.warm_up, "aiocollect server warm-up")
@@ -151,7 +152,9 @@ def worker_policy_specs(run: "RunState") -> list[PolicySpec]:
     c = run.config
     if c.num_workers == 0:
         local_policy = c.policy is not None or c.factory_for(0) is not None
-        return [PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type, state=c.state_leaves)]
+        named: dict[str, Any] = {} if c.policy_out_keys is None else {"out_keys": c.policy_out_keys}
+        return [PolicySpec("local" if local_policy else "random", exploration_type=c.exploration_type, state=c.state_leaves,
+                           **named)]
     if isinstance(c.policy_factory, tuple):
         return [policy_spec(run, i) for i in range(c.workers)]
     return [policy_spec(run, None)] * c.workers  # one spec for every worker: pickled once
@@ -164,7 +167,7 @@ def policy_spec(run: "RunState", worker: int | None) -> PolicySpec:
         return PolicySpec("server", exploration_type=c.exploration_type)
     factory = c.factory_for(worker or 0)
     try:
-        return describe(c.policy, factory, c.exploration_type, c.state_leaves)
+        return describe(c.policy, factory, c.exploration_type, c.state_leaves, c.policy_out_keys)
     except Exception as exc:
         what = "the policy" if factory is None else ("policy_factory" if worker is None else f"policy_factory[{worker}]")
         raise AiocollectError(

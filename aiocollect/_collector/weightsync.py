@@ -1,6 +1,9 @@
-"""The collector's side of weight synchronisation: the shared weight store (or one per worker
-when their policies differ), versions, per-worker acknowledgements, and turning what a user
-passes to ``update_weights`` into the tensors of each worker's policy."""
+"""The collector's side of weight synchronisation, the one owner of ``update_weights``: its
+arguments checked once, the shared weight store (or one per worker when their policies differ)
+or the inference server's own copy of the weights, versions, per-worker acknowledgements and
+the :class:`~aiocollect.events.WeightsUpdated`/:class:`~aiocollect.events.WeightsApplied`
+events, and turning what a user passes into the tensors of each worker's (or the server's)
+policy."""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ import weakref
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import anyio
+import numpy as np
 
 from .._core import shm as _shm
 from .. import events as ev
-from .._core.errors import AiocollectError, BrokenWorkerError, ConfigError
+from .._core.errors import AiocollectError, BrokenWorkerError, ConfigError, LoopGone, WeightsMismatchError
+from .._worker.weights import WeightLayout, WeightStore, is_model_id, named
 
 _KEEP = 1024  # publication times kept for the latency of WeightsApplied
 log = logging.getLogger("aiocollect")
@@ -74,11 +79,11 @@ def check_worker_ids(worker_ids: Any, n: int) -> list[int]:
 STALE_POLICY = (
     "aiocollect: the collector's policy (the `policy` given to Collector) was changed in place (trained) "
     "after the workers were given weight version %d, and another batch was handed out since without an update: the "
-    "workers hold their own copy of the policy and keep collecting with version %d. Publish the weights after "
-    "each training step: `await collector.update_weights(policy)` (blocking code: "
-    "`collector.update_policy_weights_()`), or pass update_at_each_batch=True; for on-policy training (PPO) "
-    "also pass prefetch=0, so that each batch is collected with the newest weights. (Said once per collector; "
-    "if you publish every few batches on purpose, this is expected.)"
+    "workers (or the inference server) hold their own copy of the policy and keep collecting with version %d. "
+    "Publish the weights after each training step: `await collector.update_weights(policy)` (blocking code: "
+    "`collector.update_policy_weights_()`), or pass update_at_each_batch=True; with prefetch=0 (sync delivery's "
+    "default) each batch is then collected with the newest weights. (Said once per collector; if you publish "
+    "every few batches on purpose, this is expected.)"
 )
 
 
@@ -158,17 +163,17 @@ class InPlaceWatch:
 
 
 def watch_for(config: Any) -> InPlaceWatch | None:
-    """A watch over the constructor's policy where the workers run a replica that only
-    ``update_weights`` changes; ``None`` where in-place changes reach the collection anyway
-    (``inference="server"`` runs the module itself) or are published before each batch
-    (``update_at_each_batch``), or where there is no module to watch."""
+    """A watch over the constructor's policy where the workers (or the inference server) run a
+    copy that only ``update_weights`` changes; ``None`` where in-place changes reach the
+    collection anyway (``server_weights="shared"`` runs the module itself) or are published
+    before each batch (``update_at_each_batch``), or where there is no module to watch."""
     import sys
 
     nn = sys.modules.get("torch.nn")
     policy = getattr(config, "policy", None)
     if nn is None or not isinstance(policy, nn.Module):
         return None
-    if config.inference == "server" or config.update_at_each_batch:
+    if (config.inference == "server" and config.server_weights == "shared") or config.update_at_each_batch:
         return None
     return InPlaceWatch(policy)
 
@@ -236,13 +241,122 @@ def _is_device(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.device)
 
 
-class WeightSync:
-    """Owned by a collector for one run of its workers (made anew by each launch)."""
+# -- what update_weights is given, as the tensors of a policy ---------------------------------------
 
-    def __init__(self, policy: Any, local: bool, emit: Callable[..., Awaitable[None]]) -> None:
+
+def state_of(obj: Any, argument: str = "policy_or_weights") -> dict[str, Any]:
+    """A name -> tensor mapping from what a user passes to ``update_weights``: an ``nn.Module``
+    (or ``TensorDictModule``, unwrapped as the workers unwrap it), a ``TensorDict`` of
+    parameters (``TensorDict.from_module``) or a state dict (str keys). Anything else raises
+    :class:`ConfigError` naming ``argument``."""
+    import torch
+
+    from .._worker.policy import classify
+
+    if isinstance(obj, torch.nn.Module):
+        kind, fn, _, _ = classify(obj)
+        module = fn if isinstance(fn, torch.nn.Module) else obj
+        return dict(module.state_dict())
+    if _is_tensordict(obj):
+        return dict(obj.flatten_keys(".").items())
+    if isinstance(obj, Mapping):
+        bad = [k for k in obj if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(
+                f"{named(argument, obj)} has the key {bad[0]!r}: a state dict is keyed by parameter names (strs); pass "
+                f"module.state_dict(), TensorDict.from_module(module) or the module"
+            )
+        return dict(obj)
+    raise ConfigError(
+        f"{argument}={obj!r:.80} (of type {type(obj).__name__}) is not weights: update_weights() takes an nn.Module, "
+        f"a TensorDict of parameters (TensorDict.from_module(module)) or a state dict (module.state_dict())"
+    )
+
+
+def _is_tensordict(obj: Any) -> bool:
+    return getattr(obj, "flatten_keys", None) is not None and hasattr(obj, "batch_size")
+
+
+def check_weights(obj: Any, argument: str) -> None:
+    """What can be told of weights before the workers' policy is known (:func:`state_of`'s checks)."""
+    import torch
+
+    if not isinstance(obj, torch.nn.Module) and not _is_tensordict(obj):
+        state_of(obj, argument)
+
+
+def match_state(
+    state: Mapping[str, Any], layout: WeightLayout, model_id: str = "policy", whole: bool = False,
+    argument: str = "policy_or_weights",
+) -> dict[str, Any]:
+    """The tensors of model ``model_id`` (see :meth:`WeightLayout.select`) from ``state``, keyed
+    by their names in ``layout``. ``state`` is keyed as that model names them (a ``module.``
+    prefix, as a TensorDictModule's own state dict has, is dropped when that makes the names
+    match), or as the whole policy names them when ``whole``. Each must be a tensor with data,
+    of the layout's shape and of a dtype that casts to the layout's safely (``float64`` to
+    ``float32`` does, ``float`` to ``int64`` or ``complex`` to ``float`` does not); else
+    :class:`ConfigError` (:class:`WeightsMismatchError` for missing tensors) naming ``argument``."""
+    import torch
+
+    prefix, names = layout.select(model_id)
+    if whole:
+        prefix = ""
+    want = [n[len(prefix):] for n in names]
+    if not set(state) >= set(want):
+        stripped = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("module.")}
+        if set(stripped) >= set(want):
+            state = stripped
+        elif prefix and (set(state) >= set(names) or set(stripped) >= set(names)):
+            # keyed as the whole policy names them (the policy itself, or its state dict)
+            state, want = (state if set(state) >= set(names) else stripped), list(names)
+        else:
+            missing = sorted(set(want) - set(state))
+            what = "policy" if model_id == "policy" else f"model {model_id!r}"
+            listed = sorted(want)[:5]
+            raise WeightsMismatchError(
+                f"the weights given for {model_id!r} lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
+                f"workers' {what} (it has {len(want)} tensors: {listed}{' ...' if len(want) > 5 else ''}); pass "
+                f"that module, TensorDict.from_module(module) or module.state_dict() as {named(argument, state)}"
+            )
+    out = {}
+    shapes = dict(zip(layout.names, layout.shapes))
+    dtypes = dict(zip(layout.names, layout.dtypes))
+    for name, key in zip(names, want):
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
+            what = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.layout} tensor on {value.device}"
+            raise ConfigError(
+                f"{argument} has {key!r} = {value!r:.60}, {what}, for {model_id!r}: the weights must be dense "
+                f"tensors with data; pass module.state_dict() or TensorDict.from_module(module)"
+            )
+        if tuple(value.shape) != shapes[name]:
+            raise ConfigError(
+                f"the weights given for {model_id!r} ({argument}) have {key!r} of shape {tuple(value.shape)}, but the "
+                f"workers' policy has it of shape {shapes[name]}: the model differs from the one the workers built"
+            )
+        target = torch.from_numpy(np.empty(0, dtype=np.dtype(dtypes[name]))).dtype
+        if not torch.can_cast(value.dtype, target):
+            raise ConfigError(
+                f"the weights given for {model_id!r} ({argument}) have {key!r} of dtype {value.dtype}, which does "
+                f"not cast safely to the workers' {target}: the model differs from the one the workers built"
+            )
+        out[name] = value
+    return out
+
+
+class WeightSync:
+    """Owned by a collector for one run of its workers (made anew by each launch).
+    ``serving``: ``inference="server"``, where updates go to the server's weights (one policy
+    for every worker) once :meth:`serve` gave it."""
+
+    def __init__(self, policy: Any, local: bool, emit: Callable[..., Awaitable[None]], workers: int,
+                 serving: bool = False) -> None:
         self.policy = policy  # the constructor's reference policy (None: built by factories)
         self.local = local  # local backend: stores in process memory
         self._emit = emit
+        self.num_workers = workers
+        self.serving = serving
+        self.server: Any = None  # the run's InferenceServer (its weights are the store)
         self.store: Any = None  # the store every worker reads (None: no weights, or distinct policies)
         self.worker_stores: dict[int, Any] = {}  # per-worker stores, made on first need
         self.layouts: list[Any] = []  # per worker (None: its policy has no weights)
@@ -269,10 +383,14 @@ class WeightSync:
             return {}
         return {w.index: (self.store.fd,) for w in workers}
 
+    def serve(self, server: Any) -> None:
+        """Server inference: updates are loaded into ``server``'s own weights."""
+        self.server = server
+
     @property
     def can_pull(self) -> bool:
         """``update_at_each_batch`` can publish the reference policy to all workers."""
-        return self.store is not None
+        return self.store is not None or (self.server is not None and self.server.weights_layout is not None)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -281,22 +399,54 @@ class WeightSync:
         self.store = None  # unmapped once nothing refers to it
         self.worker_stores.clear()
         self.workers = {}
+        self.server = None
         self.notify()
 
     def bump(self) -> int:
         """A new version that no worker will apply (the workers are done): returned so that
-        the caller's version numbers go on counting."""
-        self.version += 1
-        if self.watch is not None:
-            self.watch.mark(self.version)  # (published, as far as the caller can tell: batches still buffered follow)
-        return self.version
+        the caller's version numbers go on counting (published, as far as the caller can tell:
+        batches still buffered follow)."""
+        return self._next_version()
 
     # -- checks ---------------------------------------------------------------------------------
+    def request(
+        self, policy_or_weights: Any, model_id: Any, weights_dict: Any, worker_ids: Any, wait: Any, started: bool,
+    ) -> tuple[Updates, list[int]]:
+        """The arguments of ``update_weights``, each checked once: what it updates
+        ({model id: weights or None}) and the workers it targets. Everything that does not need
+        the workers' policy is told here, before a collector starts; before it started
+        (``started`` false) the weights are matched against the constructor's policy too."""
+        if not isinstance(model_id, str):
+            raise ConfigError(f"model_id={model_id!r} must be a str: 'policy' or 'policy.<submodule path>'")
+        if weights_dict is not None:
+            if policy_or_weights is not None or model_id != "policy":
+                raise ConfigError(
+                    "pass either weights_dict={model_id: weights, ...} or policy_or_weights (with model_id), not both"
+                )
+            if not isinstance(weights_dict, Mapping) or not weights_dict:
+                raise ConfigError(f"weights_dict={weights_dict!r} must be a non-empty {{model_id: weights}} mapping")
+            updates = Updates(weights_dict, from_dict=True)
+        else:
+            updates = Updates({model_id: policy_or_weights}, from_dict=False)
+        if not isinstance(wait, bool):
+            raise ConfigError(f"wait={wait!r} must be True or False")
+        self.check_model_ids(updates)
+        targets = check_worker_ids(worker_ids, self.num_workers)
+        if self.serving and len(targets) != self.num_workers:
+            raise ConfigError(
+                "inference='server' runs one policy for every worker: update_weights() cannot target some "
+                "workers (worker_ids); leave worker_ids=None"
+            )
+        for name, weights in updates.items():
+            if weights is not None:
+                check_weights(weights, updates.argument(name))
+        if not started:
+            self.check_before_start(updates)
+        return updates, targets
+
     def check_model_ids(self, updates: Mapping[str, Any]) -> None:
         """What can be told before the workers' layouts are known (overlaps are found by the
         tensors the ids name, in :meth:`_state_for`)."""
-        from .._worker.weights import is_model_id
-
         where = "weights_dict has the model id" if getattr(updates, "from_dict", False) else "model_id="
         for a in updates:
             if not is_model_id(a):
@@ -316,28 +466,29 @@ class WeightSync:
         worker's replica has its tensors), so that an update that cannot fit starts nothing."""
         import torch
 
-        from .._worker.weights import WeightLayout, state_of
-
         if not isinstance(self.policy, torch.nn.Module):
             return  # built by factories, or not a module: told by the workers' layouts
         layout = WeightLayout.of(state_of(self.policy, "policy"))
         if layout.names:
             self._state_for(layout, updates, None)
 
-    def targets(self, worker_ids: Any, n: int) -> list[int]:
-        ids = check_worker_ids(worker_ids, n)
+    def _check_targets(self, ids: list[int]) -> None:
+        """The targeted workers' policies (or the server's) have weights to update."""
+        if self.server is not None:
+            if self.server.weights_layout is None:
+                raise AiocollectError(
+                    "the inference server's policy has no weights to update (a policy that is not an nn.Module)"
+                )
+            return
         no_weights = [w for w in ids if self.layouts[w] is None]
         if no_weights:
             raise AiocollectError(
                 f"the policy of worker{'s' if len(no_weights) > 1 else ''} {', '.join(map(str, no_weights))} "
                 f"has no weights to update (random actions, or a policy that is not an nn.Module)"
             )
-        return ids
 
     def _state_for(self, layout: Any, updates: Mapping[str, Any], worker: int | None) -> dict[str, Any]:
         """The tensors ``updates`` gives, keyed by their names in ``layout`` (a worker's policy)."""
-        from .._worker.weights import match_state, state_of
-
         state: dict[str, Any] = {}
         owner: dict[str, str] = {}
         for model_id, weights in updates.items():
@@ -364,7 +515,38 @@ class WeightSync:
     # -- publishing -----------------------------------------------------------------------------
     async def publish(self, updates: Mapping[str, Any], targets: list[int]) -> int:
         """Write ``updates`` ({model id: weights or None}) as one new version for ``targets``;
-        nothing is written unless it fits every target's policy."""
+        nothing is written unless it fits every target's policy. Under server inference the
+        server's own weights take it at once, between two forward passes, and every worker has
+        applied it when this returns (its :class:`~aiocollect.events.WeightsApplied` follow)."""
+        self._check_targets(targets)
+        if self.server is not None:
+            state = self._state_for(self.server.weights_layout, updates, None)
+            version = self._next_version()
+            t0 = time.perf_counter()
+            self.server.load(state, version)
+            latency = time.perf_counter() - t0
+            for w in targets:
+                self.acked[w] = version
+            self.notify()
+        else:
+            version = await self._write_stores(updates, targets)
+        ids = tuple(updates)
+        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+        if self.server is not None:
+            for w in targets:
+                await self._emit(ev.WeightsApplied, version=version, worker=w, latency=latency)
+        return version
+
+    def _next_version(self) -> int:
+        """A new version, published now (the in-place watch takes it as its reference)."""
+        self.version += 1
+        if self.watch is not None:
+            self.watch.mark(self.version)
+        return self.version
+
+    async def _write_stores(self, updates: Mapping[str, Any], targets: list[int]) -> int:
+        """Worker inference: the new version into the shared store (or the targets' own), then
+        each target is nudged to apply it at its next batch boundary."""
         shared = self.store is not None and len(targets) == len(self.layouts)
         if shared:
             writes = [(self.store, self._state_for(self.store.layout, updates, None))]
@@ -375,22 +557,17 @@ class WeightSync:
                 if layout not in by_layout:  # workers with the same policy layout: matched once
                     by_layout[layout] = self._state_for(layout, updates, None if self.store else w)
                 writes.append((w, by_layout[layout]))
-        self.version += 1
-        version = self.version
+        version = self._next_version()
         self.published_at[version] = time.perf_counter()
         for store, state in writes:
             if not shared:
                 store = await self._worker_store(store)
             store.publish(state, version)
-        if self.watch is not None:
-            self.watch.mark(version)
         for w in targets:
             try:
                 await self.workers[w].nudge()
-            except BrokenWorkerError:
-                pass  # it died: its replacement (if any) reads the newest version when it starts
-        ids = tuple(updates)
-        await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
+            except (BrokenWorkerError, LoopGone):
+                pass  # it died (its replacement, if any, reads the newest version when it starts), or collection ended
         return version
 
     async def _worker_store(self, index: int) -> Any:
@@ -402,8 +579,6 @@ class WeightSync:
         return store
 
     def _new_store(self, layout: Any, name: str) -> Any:
-        from .._worker.weights import WeightStore
-
         if self.local:
             store = WeightStore.create(layout, bytearray(layout.nbytes))
             store.fd = None

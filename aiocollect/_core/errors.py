@@ -216,6 +216,12 @@ class CollectorClosedError(AiocollectError, RuntimeError):
     collector in a process takes well under a second)."""
 
 
+class LoopGone(CollectorClosedError):
+    """Background collection's own event loop (or the caller's) ended while something was to
+    run there: the collection is over. Not exported: it reaches a user only as a
+    :class:`CollectorClosedError`."""
+
+
 @public
 class EndOfCollection(AiocollectError):
     """Raised by :meth:`Collector.collect` once ``total_frames`` frames have been delivered.

@@ -209,6 +209,7 @@ def frame_leaves(
         Leaf(("next", "truncated"), (1,), "bool"),
         Leaf(("collector", "traj_ids"), (), "int64"),
         Leaf(("collector", "policy_version"), (), "int64"),
+        Leaf(("collector", "env_epoch"), (), "int64"),
     ]
     if env_fn_index:
         leaves.append(Leaf(("collector", "env_fn_index"), (), "int64"))

@@ -18,10 +18,11 @@ from .errors import ConfigError
 SEED_MAX = 2**64 - 1
 """The largest seed torch accepts (``torch.manual_seed``); gymnasium wants seeds >= 0."""
 
-MIN_FRAME_NBYTES = 22
+MIN_FRAME_NBYTES = 30
 """Bytes that every frame takes in a worker's batch slots at least, whatever the env and the
 policy: ``("next", "reward")`` (float32), ``("next", "terminated")`` and ``("next", "truncated")``
-(bool), ``("collector", "traj_ids")`` and ``("collector", "policy_version")`` (int64); the
+(bool), ``("collector", "traj_ids")``, ``("collector", "policy_version")`` and ``("collector",
+"env_epoch")`` (int64); the
 observations and actions come on top."""
 
 MIN_FDS_PER_WORKER = 2

@@ -245,7 +245,7 @@ class RunProfiling:
             result = p.on_trace_ready(event)
             if inspect.isawaitable(result):
                 await result
-        await self.run.bus.emit(event)
+        await self.run.emit_event(event)
 
     async def announce_traces(self) -> None:
         for w in self.run.workers:

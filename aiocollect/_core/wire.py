@@ -21,9 +21,14 @@ worker process, :mod:`aiocollect._worker.main`); every message is one of the fro
     C: WeightsPublished()              applied now if the worker is idle, else at the boundary
     C: Store(layout)                   + fd: a weight store of this worker's own
     C: Profile(settings, path) / ProfileOff()
+    C: EnvCall(id, kind, name, payload, rows, epoch)   call, get or set something of the envs (or
+                                       the policy), applied between two env steps
+                                       (:mod:`aiocollect._worker.env_calls`)
     W: Ready(slot, n, info)            batch n is in slot; info: a BatchInfo
     W: Applied(version, time)          the worker now acts with weights ``version``
     W: Trace(path)                     a profiler trace was written
+    W: EnvCallDone(id, result, error)  the EnvCall was applied: its results (one per row), or
+                                       what it raised (the worker goes on)
     W: Error(exception, traceback)     the cloudpickled exception; the worker then exits
     C: end-of-file (shutdown(SHUT_WR)): close the envs and exit
 
@@ -132,6 +137,16 @@ class Error:
     traceback: str
 
 
+@_frozen
+class EnvCallDone:
+    """An :class:`EnvCall` was applied: the cloudpickled list of its results (one per row), or,
+    with ``error`` (the worker's traceback), the cloudpickled exception it raised."""
+
+    id: int
+    result: bytes
+    error: str | None = None
+
+
 # -- collector to worker ------------------------------------------------------------------------
 @_frozen
 class Config:
@@ -176,6 +191,24 @@ class Profile:
 @_frozen
 class ProfileOff:
     pass
+
+@_frozen
+class EnvCall:
+    """Reach into the worker's envs (or its policy) between two env steps. ``kind``: ``"call"``
+    (the method ``name`` of each env), ``"get"`` / ``"set"`` (the attribute ``name``, through
+    gymnasium's wrappers), ``"fn"`` (a function ``fn(env, ...)``), ``"policy"`` (an attribute of
+    the policy). ``payload``: the cloudpickled ``(args, kwargs)`` (``"set"``: ``((values per
+    row,), {})``; ``"fn"``: ``((fn, *args), kwargs)``). ``rows``: the worker's env rows (a vector
+    env's sub-envs are rows; ``None``: all). ``epoch``: the env epoch its rows enter once it is
+    applied (0: a read, which starts none)."""
+
+    id: int
+    kind: str
+    name: str
+    payload: bytes
+    rows: tuple[int, ...] | None = None
+    epoch: int = 0
+
 
 _HEADER = struct.Struct("!I")
 MAX_FDS = 16

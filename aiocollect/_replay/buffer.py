@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import threading
+from typing import Any, Callable, TypeVar
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor, is_non_tensor
@@ -18,6 +20,20 @@ __all__ = ["ReplayBuffer"]
 
 _MASK: Key = ("collector", "mask")
 _INDEX: Key = ("index",)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run ``method`` holding the buffer's :attr:`~ReplayBuffer.lock`."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ReplayBuffer", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _check_batch_size(value: Any, where: str) -> int:
@@ -148,8 +164,14 @@ class ReplayBuffer:
     **Cost.** :meth:`extend` and :meth:`sample` do O(batch) work plus O(number of entries) Python
     work, whatever the capacity. A sampler that derives something from the whole storage
     (:class:`StalenessAwareSampler`, :class:`SliceSampler`) does it in one vectorized pass after
-    each write and caches it until the next. Not thread-safe: use it from one thread (the event
-    loop's, typically).
+    each write and caches it until the next.
+
+    **Threads.** :meth:`extend`, :meth:`sample`, :meth:`state_dict` and :meth:`load_state_dict`
+    each hold :attr:`lock` (a re-entrant lock), so a collector's background collection
+    (``await collector.start(replay_buffer=buffer)``), which calls :meth:`extend` from the
+    collector's own thread, and your training loop's :meth:`sample` never see each other half
+    done. Hold ``buffer.lock`` yourself around several calls that must see the same contents
+    (a sample and the priority update it leads to).
 
     Args:
         capacity: the number of frames the buffer holds.
@@ -208,6 +230,8 @@ class ReplayBuffer:
         self._size = 0
         self._write_count = 0
         self._token = object()
+        self.lock = threading.RLock()
+        """Held by :meth:`extend`, :meth:`sample`, :meth:`state_dict` and :meth:`load_state_dict`."""
 
     # -- what it holds --------------------------------------------------------------------------
     @property
@@ -253,6 +277,7 @@ class ReplayBuffer:
         )
 
     # -- writing --------------------------------------------------------------------------------
+    @_locked
     def extend(self, data: TensorDictBase) -> torch.Tensor:
         """Copy the frames of ``data`` into the buffer; returns the storage indices written.
 
@@ -363,6 +388,7 @@ class ReplayBuffer:
         }
 
     # -- sampling -------------------------------------------------------------------------------
+    @_locked
     def sample(self, batch_size: int | None = None) -> TensorDict:
         """Draw a sample of ``batch_size`` frames (default: the buffer's ``batch_size``).
 
@@ -413,6 +439,7 @@ class ReplayBuffer:
         )
 
     # -- checkpoints ----------------------------------------------------------------------------
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the buffer, as plain Python values and tensors.
 
@@ -436,6 +463,7 @@ class ReplayBuffer:
             "generator": None if self._generator is None else self._generator.get_state(),
         }
 
+    @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (copying its tensors to this buffer's device).
 

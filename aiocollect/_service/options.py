@@ -240,6 +240,17 @@ def known_keywords(config_class: type, synonyms: Mapping[str, str]) -> Callable[
     return wrap
 
 
+OPTIONS_PAGE = "docs/options.md"
+"""The options reference (generated from the configs' field docs by ``scripts/options_page.py``)."""
+
+
+def options_reference(config_class: type) -> str:
+    """Where a user reads every option of ``config_class``: its section of the options page (in
+    the repository and on the docs site), and ``help()`` of the config class."""
+    section = config_class.__name__.removesuffix("Config").lower()
+    return f"{OPTIONS_PAGE}#{section}, or help(aiocollect.{config_class.__name__})"
+
+
 def unknown_keyword(
     who: str, key: str, value: Any, names: Sequence[str], synonyms: Mapping[str, str], config_class: type
 ) -> ConfigTypeError:
@@ -251,7 +262,7 @@ def unknown_keyword(
         fix = f"did you mean {close[0]}={value!r:.60}?" if close else f"it is not one of {who}'s options"
     return ConfigTypeError(
         f"{who}() got an unexpected keyword argument {key}={value!r:.60}; {fix} "
-        f"(every option: help(aiocollect.{config_class.__name__}))"
+        f"(every option: {options_reference(config_class)})"
     )
 
 
@@ -266,7 +277,7 @@ def too_many_positional(
     return ConfigTypeError(
         f"{who}() takes {' and '.join(positional)} by position and every other option by keyword, but got "
         f"{len(args)} positional arguments; pass the others by name (in the order of the signature: {meant}) "
-        f"(every option: help(aiocollect.{config_class.__name__}))"
+        f"(every option: {options_reference(config_class)})"
     )
 
 

@@ -22,12 +22,17 @@ class AsyncResource:
     async def aclose(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def _closing(self, closer: str) -> None:
+        """Note what is about to close the object (``"the end of its `async with` block"``), for
+        the errors of later calls; the first closer is kept. (A no-op unless a subclass keeps it.)"""
+
     async def __aenter__(self) -> Any:
         try:
             await self.start()
-        except BaseException:
+        except BaseException as exc:
             # cancelled (or failed) on entry: nobody will call __aexit__, so close here; what it
             # started is gone before the entry's own error (or cancellation) is raised
+            self._closing(f"its `async with` entry, {_ended_by(exc)}")
             with anyio.CancelScope(shield=True):
                 try:
                     await self.aclose()
@@ -38,12 +43,21 @@ class AsyncResource:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc is None:
+            self._closing("the end of its `async with` block")
             await self.aclose()
             return
+        self._closing(f"the end of its `async with` block, {_ended_by(exc)}")
         try:
             await self.aclose()
         except Exception:
             pass
+
+
+def _ended_by(exc: BaseException) -> str:
+    """How a block ended early, in a closer's words: "cancelled", or "which raised ValueError"."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()) or isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return f"which raised {type(exc).__name__}"
 
 
 async def wait_shielded(event: Any) -> None:

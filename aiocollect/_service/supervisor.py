@@ -58,12 +58,13 @@ async def supervise(run: "RunState", w: "WorkerHandle") -> None:
     """Handle worker ``w``'s reports; when it fails, replace it or report the failure."""
     restart = run.config.on_worker_failure == "restart"
     while True:
-        error = await w.serve(run.wake, run.sync.on_applied)
+        error = await w.serve(run.wake, run.applied)
         while True:
             old_pid = w.pid
             index = getattr(error, "worker", w.index)
             await run.emit(ev.WorkerFailed, worker=-1 if index is None else index, pid=old_pid, error=error)
             if not restart or not run.collecting or not run.budget.allow(error):
+                w.fail_calls(error)  # (env calls waiting on it raise the worker's error)
                 run.worker_failed(error)
                 return
             try:
@@ -79,7 +80,8 @@ async def supervise(run: "RunState", w: "WorkerHandle") -> None:
 
 def replacement_config(run: "RunState", w: "WorkerHandle") -> RolloutConfig:
     """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories its
-    failure cut end there), the random steps it still owes, seeds derived from the restart."""
+    failure cut end there), the random steps it still owes, seeds derived from the restart, and
+    the env calls its envs keep (``set_attr``, persisted calls: replayed before its first batch)."""
     c = run.config
     cfg = run.configs[w.index]
     counters = list(cfg.traj_counters or [0] * run.total_rows)
@@ -92,6 +94,7 @@ def replacement_config(run: "RunState", w: "WorkerHandle") -> RolloutConfig:
         traj_counters=tuple(counters),
         random_steps=max(cfg.random_steps - w.completed * c.frames_per_env, 0),
         restart=w.restarts + 1,
+        env_calls=run.env_calls.kept_for(w.index),
     )
 
 

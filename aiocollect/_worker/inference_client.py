@@ -96,7 +96,7 @@ class RemoteRunner:
     server needs); :meth:`connect` attaches it once the collector sends the segment."""
 
     uses_torch = False
-    model = None  # no weights here: the server runs the user's own policy object
+    model = None  # no weights here: the inference server runs the policy
     remote = True
     is_init: np.ndarray | None = None  # a recurrent policy: the rows that start an episode (sent with a request)
 

@@ -21,7 +21,7 @@ from .._core import heartbeat as _heartbeat
 from .._core.affinity import apply_cpus
 from .peer import Peer, serve_peer
 from .._core.wire import (
-    Applied, Config, Credit, Hello, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
+    Applied, Config, Credit, EnvCall, Hello, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
     WeightsPublished,
 )
 
@@ -66,6 +66,10 @@ class Worker(Peer):
                 if self.recorder is not None:
                     self.recorder.abort()
                     self.recorder = None
+            case EnvCall():  # between two env steps (or idle): reach into the envs or the policy
+                from .env_calls import answer
+
+                self.send(answer(self.rollout, msg))
             case _:  # pragma: no cover - protocol error
                 raise RuntimeError(f"aiocollect worker: unexpected message {msg!r}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from gymnasium import spaces
@@ -67,9 +67,12 @@ def _simple_tensordict_module(obj: Any) -> bool:
     )
 
 
-def classify(obj: Any, recurrent: bool = False) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
+def classify(
+    obj: Any, recurrent: bool = False, out_keys: tuple[Key, ...] | None = None
+) -> tuple[str, Any, tuple[Key, ...], tuple[Key, ...]]:
     """``(kind, callable, in_keys, out_keys)`` for a policy object (not a factory); a
-    ``recurrent`` one is never unwrapped (it reads its state from the TensorDict)."""
+    ``recurrent`` one is never unwrapped (it reads its state from the TensorDict). ``out_keys``
+    (``policy_out_keys``) names the tuple a plain ``nn.Module`` returns."""
     if not recurrent and _simple_tensordict_module(obj):
         return ("module", obj.module, tuple(as_key(k) for k in obj.in_keys), tuple(as_key(k) for k in obj.out_keys))
     td_nn = sys.modules.get("tensordict.nn")
@@ -77,7 +80,7 @@ def classify(obj: Any, recurrent: bool = False) -> tuple[str, Any, tuple[Key, ..
     if td_nn is not None and isinstance(obj, td_nn.TensorDictModuleBase):
         return ("tensordict", obj, (), ())
     if nn is not None and isinstance(obj, nn.Module):
-        return ("module", obj, (("observation",),), (("action",),))
+        return ("module", obj, (("observation",),), out_keys or (("action",),))
     if callable(obj):
         return ("tensordict", obj, (), ())
     raise ConfigTypeError(
@@ -86,15 +89,21 @@ def classify(obj: Any, recurrent: bool = False) -> tuple[str, Any, tuple[Key, ..
     )
 
 
-def describe(policy: Any, policy_factory: Any, exploration_type: str, state: tuple[Leaf, ...] = ()) -> PolicySpec:
-    """Parent side: the :class:`PolicySpec` sent to workers (``state``: ``recurrent_state``'s leaves)."""
+def describe(
+    policy: Any, policy_factory: Any, exploration_type: str, state: tuple[Leaf, ...] = (),
+    out_keys: Any = None,
+) -> PolicySpec:
+    """Parent side: the :class:`PolicySpec` sent to workers (``state``: ``recurrent_state``'s
+    leaves; ``out_keys``: ``policy_out_keys``)."""
     from .._core import pickling as _pickling
 
+    named: dict[str, Any] = {} if out_keys is None else {"out_keys": out_keys}
     if policy_factory is not None:
-        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type, state=state)
+        return PolicySpec("factory", _pickling.dumps(policy_factory), exploration_type=exploration_type, state=state,
+                          **named)
     if policy is None:
         return PolicySpec("random", exploration_type=exploration_type)
-    kind, fn, in_keys, out_keys = classify(policy, is_recurrent(policy, state))
+    kind, fn, in_keys, out_keys = classify(policy, is_recurrent(policy, state), out_keys)
     if kind == "module":
         return PolicySpec("module", _pickling.dumps(fn), in_keys, out_keys, exploration_type)
     return PolicySpec("tensordict", _pickling.dumps(fn), exploration_type=exploration_type, state=state)
@@ -105,6 +114,44 @@ def is_recurrent(policy: Any, state: tuple[Leaf, ...]) -> bool:
     from .recurrent import has_primer
 
     return bool(state) or (policy is not None and has_primer(policy))
+
+
+def check_out_keys(out_keys: Any, policy: Any) -> tuple[Key, ...] | None:
+    """``policy_out_keys`` as keys (``None``: not given): names (a str, or a tuple of strs for a
+    nested key), one per output of a plain ``nn.Module``'s tuple, ``"action"`` among them, each
+    once; refused for a policy that names its outputs itself (a TensorDict policy)."""
+    if out_keys is None:
+        return None
+    example = "policy_out_keys=['action', 'sample_log_prob', 'state_value']"
+    if isinstance(out_keys, str) or not isinstance(out_keys, (list, tuple)) or not out_keys:
+        raise ConfigTypeError(
+            f"policy_out_keys={out_keys!r:.100} must be a list of names, one per tensor the policy returns, in order: "
+            f"e.g. {example}"
+        )
+    keys = []
+    for key in out_keys:
+        nested = isinstance(key, tuple) and key and all(isinstance(k, str) and k for k in key)
+        if not (isinstance(key, str) and key) and not nested:
+            raise ConfigTypeError(
+                f"policy_out_keys={list(out_keys)!r:.100}: {key!r:.60} is not a name; each entry is a str (or a tuple "
+                f"of strs for a nested key), e.g. {example}"
+            )
+        keys.append(as_key(key))
+    if ("action",) not in keys:
+        raise ConfigTypeError(
+            f"policy_out_keys={list(out_keys)!r:.100} does not name the action: one of the policy's outputs must be "
+            f"'action' (what the envs step with), e.g. {example}"
+        )
+    if len(set(keys)) != len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ConfigTypeError(f"policy_out_keys={list(out_keys)!r:.100} names {'.'.join(twice)!r} twice; name each output once")
+    if policy is not None and (classify(policy)[0] != "module" or _simple_tensordict_module(policy)):
+        raise ConfigTypeError(
+            f"policy_out_keys={list(out_keys)!r:.100} names the tensors a plain nn.Module returns, but the policy is a "
+            f"{type(policy).__name__}, which writes its outputs into the TensorDict under keys of its own (a "
+            f"TensorDictModule's out_keys): drop policy_out_keys"
+        )
+    return tuple(keys)
 
 
 def check_recurrent_policy(policy: Any, state: tuple[Leaf, ...]) -> None:
@@ -391,8 +438,11 @@ def _missing_inputs(
 
 
 class ModuleRunner(_TorchRunner):
-    """A callable on tensors: inputs are the ``in_keys`` observation leaves, outputs (a tensor or
-    a tuple) are named by ``out_keys``."""
+    """A callable on tensors: inputs are the ``in_keys`` observation leaves; it returns a tensor
+    (the action, or the one output ``out_keys`` names), a tuple of tensors named by ``out_keys``
+    (``policy_out_keys``), or a dict of tensors that names them itself (``{"action": a,
+    "sample_log_prob": lp, "state_value": v}``; nested dicts give nested keys). Every output but
+    the action lands in the batch under its name."""
 
     def __init__(self, module: Callable, in_keys: tuple[Key, ...], out_keys: tuple[Key, ...], *args: Any) -> None:
         super().__init__(*args)
@@ -431,7 +481,7 @@ class ModuleRunner(_TorchRunner):
             out = self.module(*inputs)
         arr = _cpu_numpy(out)
         if arr is None or arr.shape != self.want_shape or arr.dtype != self.want_dtype:
-            return self._convert(dict(zip(self.out_keys, out if isinstance(out, tuple) else (out,))))
+            return self._convert(self._named(out))
         return self.env_actions.per_env([arr], self.num_envs), [arr], []
 
     def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
@@ -439,13 +489,49 @@ class ModuleRunner(_TorchRunner):
 
         with torch.no_grad():
             out = self.module(*[self._from_numpy(obs[i]) for i in self.in_idx])
-        if not isinstance(out, tuple):
-            out = (out,)
-        if len(out) != len(self.out_keys):
+        return self._named(out)
+
+    def _named(self, out: Any) -> dict[Key, Any]:
+        """The module's outputs by key: a dict names them itself, a tuple (or list) is named by
+        ``out_keys`` in order, a lone tensor is the first of ``out_keys``."""
+        if isinstance(out, Mapping):
+            named = _flat_outputs(out)
+            if ("action",) not in named and not any(leaf.key in named for leaf in self.act_leaves):
+                raise SpecError(
+                    f"the policy returned a dict without 'action' (its keys: {sorted('.'.join(k) for k in named)}): "
+                    f"a policy returning a dict must put the action under 'action'; its other entries land in the "
+                    f"batch under their names"
+                )
+            self.single_out = False  # (the fast path takes a lone tensor)
+            return named
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if len(outs) != len(self.out_keys):
+            names = [".".join(k) for k in self.out_keys]
+            if self.out_keys == [("action",)]:
+                what = f"a plain nn.Module's output is the action alone ({names})"
+                fix = ("pass policy_out_keys naming each output in order, 'action' among them (e.g. policy_out_keys="
+                       "['action', 'sample_log_prob', 'state_value']), or return a dict {'action': action, "
+                       "'sample_log_prob': log_prob, ...}")
+            else:
+                what = f"policy_out_keys names {len(names)}: {names}"
+                fix = "return one tensor per name of policy_out_keys, in order (or a dict of them)"
             raise SpecError(
-                f"the policy returned {len(out)} tensors for out_keys {['.'.join(k) for k in self.out_keys]}"
+                f"the policy returned {len(outs)} {'tensors' if len(outs) > 1 else 'tensor'}, but {what}; {fix}"
             )
-        return dict(zip(self.out_keys, out))
+        return dict(zip(self.out_keys, outs))
+
+
+def _flat_outputs(out: Mapping, prefix: Key = ()) -> dict[Key, Any]:
+    """A (nested) dict of outputs as ``{key: value}``: ``{"action": a, "extra": {"h": h}}`` gives
+    ``("action",)`` and ``("extra", "h")``."""
+    flat: dict[Key, Any] = {}
+    for name, value in out.items():
+        key = prefix + as_key(name)
+        if isinstance(value, Mapping):
+            flat.update(_flat_outputs(value, key))
+        else:
+            flat[key] = value
+    return flat
 
 
 class TensorDictRunner(_TorchRunner):
@@ -547,7 +633,9 @@ def build_runner(
     if local_policy is not None or kind == "factory":
         obj = local_policy if local_policy is not None else cloudpickle.loads(spec.payload)()
         check_recurrent_policy(obj, spec.state)
-        kind, payload, in_keys, out_keys = classify(obj, is_recurrent(obj, spec.state))
+        if spec.out_keys != PolicySpec.out_keys:  # policy_out_keys: for a plain module only
+            check_out_keys(spec.out_keys, obj)
+        kind, payload, in_keys, out_keys = classify(obj, is_recurrent(obj, spec.state), spec.out_keys)
     else:
         payload = cloudpickle.loads(spec.payload)
     return make_runner(kind, payload, in_keys, out_keys, spec.exploration_type, (act_space, act_leaves, obs_leaves, num_envs),

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._core.datachecks import ActionBounds, ActionGuard, check_reward, check_value, first_nonfinite, short
 from .decorrelate import decorrelate, decorrelation_draws
+from .env_calls import EnvEpochs
 from .envs import add_envs, close_envs
 from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
@@ -53,6 +54,7 @@ class RolloutConfig:
     one_hot_actions: bool = False  # categorical_action_encoding=False: a Discrete action stored one-hot
     decorrelation_steps: int = 0  # max_decorrelation_steps: random steps of each env before the first batch
     env_fn_index: tuple[int, ...] | None = None  # per env of the worker: its factory's index in create_env_fn
+    env_calls: tuple = ()  # EnvCalls a replacement applies once its envs are made (set_attr, persisted calls)
 
 
 def derived_seed(seed: int, env: int, restart: int) -> int:
@@ -281,6 +283,7 @@ class Rollout:
         # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
         self.ep_ret = np.zeros(E, np.float64)
         self.ep_start = np.zeros(E, np.int64)
+        self.env_epochs = EnvEpochs(E)  # each row's env epoch: the last env call applied to it
         self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
 
     def _make_guard(
@@ -461,6 +464,7 @@ class Rollout:
             dst[...] = carried
         first_traj = self.cur_traj.copy()
         first_step, first_start = self.steps, self.ep_start.copy()
+        self.env_epochs.begin(lambda: self.steps - first_step)
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
         guard, check_finite, hb, idle = self.guard, cfg.check_finite, self.heartbeat, self.idle
@@ -512,6 +516,7 @@ class Rollout:
         self.timing = {"env": env_time, "policy": policy_time}
         stage.into_slot(views, self.obs_leaves, self.act_leaves + self.extra_leaves)
         views[("collector", "policy_version")][...] = versions
+        self.env_epochs.write(views.get(("collector", "env_epoch")))
         fn_index = views.get(("collector", "env_fn_index"))
         if fn_index is not None:  # (a list of create_env_fn: each row's factory; a vector env's sub-envs share it)
             per_env = np.asarray(cfg.env_fn_index, np.int64)

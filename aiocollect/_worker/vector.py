@@ -69,7 +69,7 @@ def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | Gro
                 f"worker_groups={cfg.worker_groups} splits a worker's envs into groups that step in turn; a vector env "
                 f"steps all its sub-envs at once: use worker_groups=1 with vector envs"
             )
-        return VectorRollout(cfg, local_policy, env)
+        return _replayed(VectorRollout(cfg, local_policy, env), cfg)
     try:
         env = make_env(cfg.env_fn, cfg.env_kwargs, env)
     except BaseException:
@@ -78,8 +78,22 @@ def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | Gro
     if cfg.worker_groups > 1:
         from .groups import GroupedRollout
 
-        return GroupedRollout(cfg, env)
-    return Rollout(cfg, local_policy, env)
+        return _replayed(GroupedRollout(cfg, env), cfg)
+    return _replayed(Rollout(cfg, local_policy, env), cfg)
+
+
+def _replayed(rollout: Any, cfg: RolloutConfig) -> Any:
+    """A replacement worker's rollout, with the env calls kept for it applied (``set_attr``,
+    persisted calls: see :mod:`aiocollect._worker.env_calls`)."""
+    if cfg.env_calls:
+        from .env_calls import replay
+
+        try:
+            replay(rollout, cfg.env_calls)
+        except BaseException:
+            rollout.close()
+            raise
+    return rollout
 
 
 def learn_sub_envs(specs: list[dict], config: Any, start_counters: list[int] | None, seed: int | None) -> int:

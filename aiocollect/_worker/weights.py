@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._core.errors import ConfigError, WeightsMismatchError
+from .._core.errors import ConfigError, WeightsMismatchError  # noqa: F401 - (its old import path)
 
 _HEADER_WORDS = 8  # seq0, seq1, latest (-1: nothing yet), version0, version1, unused...
 _ALIGN = 64
@@ -247,107 +247,7 @@ class WeightReader:
         return applied
 
 
-def state_of(obj: Any, argument: str = "policy_or_weights") -> dict[str, Any]:
-    """A name -> tensor mapping from what a user passes to ``update_weights``: an ``nn.Module``
-    (or ``TensorDictModule``, unwrapped as the workers unwrap it), a ``TensorDict`` of
-    parameters (``TensorDict.from_module``) or a state dict (str keys). Anything else raises
-    :class:`ConfigError` naming ``argument``."""
-    import torch
-
-    from .policy import classify
-
-    if isinstance(obj, torch.nn.Module):
-        kind, fn, _, _ = classify(obj)
-        module = fn if isinstance(fn, torch.nn.Module) else obj
-        return dict(module.state_dict())
-    if _is_tensordict(obj):
-        return dict(obj.flatten_keys(".").items())
-    if isinstance(obj, Mapping):
-        bad = [k for k in obj if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(
-                f"{named(argument, obj)} has the key {bad[0]!r}: a state dict is keyed by parameter names (strs); pass "
-                f"module.state_dict(), TensorDict.from_module(module) or the module"
-            )
-        return dict(obj)
-    raise ConfigError(
-        f"{argument}={obj!r:.80} (of type {type(obj).__name__}) is not weights: update_weights() takes an nn.Module, "
-        f"a TensorDict of parameters (TensorDict.from_module(module)) or a state dict (module.state_dict())"
-    )
-
-
 def named(argument: str, value: Any) -> str:
     """``argument=value`` for a message, or ``argument`` alone when the value's repr is long."""
     text = repr(value)
     return f"{argument}={text}" if len(text) <= 60 and "\n" not in text else argument
-
-
-def _is_tensordict(obj: Any) -> bool:
-    return getattr(obj, "flatten_keys", None) is not None and hasattr(obj, "batch_size")
-
-
-def check_weights(obj: Any, argument: str) -> None:
-    """What can be told of weights before the workers' policy is known (:func:`state_of`'s checks)."""
-    import torch
-
-    if not isinstance(obj, torch.nn.Module) and not _is_tensordict(obj):
-        state_of(obj, argument)
-
-
-def match_state(
-    state: Mapping[str, Any], layout: WeightLayout, model_id: str = ROOT, whole: bool = False,
-    argument: str = "policy_or_weights",
-) -> dict[str, Any]:
-    """The tensors of model ``model_id`` (see :meth:`WeightLayout.select`) from ``state``, keyed
-    by their names in ``layout``. ``state`` is keyed as that model names them (a ``module.``
-    prefix, as a TensorDictModule's own state dict has, is dropped when that makes the names
-    match), or as the whole policy names them when ``whole``. Each must be a tensor with data,
-    of the layout's shape and of a dtype that casts to the layout's safely (``float64`` to
-    ``float32`` does, ``float`` to ``int64`` or ``complex`` to ``float`` does not); else
-    :class:`ConfigError` (:class:`WeightsMismatchError` for missing tensors) naming ``argument``."""
-    import torch
-
-    prefix, names = layout.select(model_id)
-    if whole:
-        prefix = ""
-    want = [n[len(prefix):] for n in names]
-    if not set(state) >= set(want):
-        stripped = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("module.")}
-        if set(stripped) >= set(want):
-            state = stripped
-        elif prefix and (set(state) >= set(names) or set(stripped) >= set(names)):
-            # keyed as the whole policy names them (the policy itself, or its state dict)
-            state, want = (state if set(state) >= set(names) else stripped), list(names)
-        else:
-            missing = sorted(set(want) - set(state))
-            what = "policy" if model_id == ROOT else f"model {model_id!r}"
-            listed = sorted(want)[:5]
-            raise WeightsMismatchError(
-                f"the weights given for {model_id!r} lack {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
-                f"workers' {what} (it has {len(want)} tensors: {listed}{' ...' if len(want) > 5 else ''}); pass "
-                f"that module, TensorDict.from_module(module) or module.state_dict() as {named(argument, state)}"
-            )
-    out = {}
-    shapes = dict(zip(layout.names, layout.shapes))
-    dtypes = dict(zip(layout.names, layout.dtypes))
-    for name, key in zip(names, want):
-        value = state[key]
-        if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
-            what = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.layout} tensor on {value.device}"
-            raise ConfigError(
-                f"{argument} has {key!r} = {value!r:.60}, {what}, for {model_id!r}: the weights must be dense "
-                f"tensors with data; pass module.state_dict() or TensorDict.from_module(module)"
-            )
-        if tuple(value.shape) != shapes[name]:
-            raise ConfigError(
-                f"the weights given for {model_id!r} ({argument}) have {key!r} of shape {tuple(value.shape)}, but the "
-                f"workers' policy has it of shape {shapes[name]}: the model differs from the one the workers built"
-            )
-        target = torch.from_numpy(np.empty(0, dtype=np.dtype(dtypes[name]))).dtype
-        if not torch.can_cast(value.dtype, target):
-            raise ConfigError(
-                f"the weights given for {model_id!r} ({argument}) have {key!r} of dtype {value.dtype}, which does "
-                f"not cast safely to the workers' {target}: the model differs from the one the workers built"
-            )
-        out[name] = value
-    return out

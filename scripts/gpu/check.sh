@@ -11,7 +11,10 @@
 #      smoke test of what the CUDA path uses (pinned memory, a side stream, a CUDA graph)
 #   3. a Pong env as benchmarks/inference.py makes it (ale-py, OpenCV, gymnasium's wrappers)
 #   4. tests/test_devices.py alone, one process, in file order (so that "collecting on the CPU never
-#      initialises CUDA" runs before the CUDA tests), with a per-test timeout of 180 s
+#      initialises CUDA" runs before the CUDA tests), with a per-test timeout of 180 s; then the CUDA
+#      cases of tests/test_in_place_training.py (a policy trained in place on the same GPU while the
+#      server infers: plain, 2 groups, compile_policy, cudagraph_policy, a CUDA storing_device) and
+#      benchmarks/weight_sync.py --server-only (an update's latency and the server's extra memory)
 #   5. benchmarks/inference.py --device cuda, short (one round of 3 s per setup, 8 workers)
 #   6. every other test file, on CHECK_JOBS processes (tests of optional extras the image lacks,
 #      such as Ray, EnvPool, TorchRL or the docs site, skip and say which package they need)
@@ -228,12 +231,20 @@ summary() {
   echo "==== summary: aiocollect GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'), $SECONDS s)"
   [ -f "$LOG/env.txt" ] && grep -E '^(python [0-9]|torch [0-9]|CUDA device 0|CUDA: no CUDA device)|^  (tensordict|gymnasium|ale-py|pytest |numpy) ' "$LOG/env.txt"
   printf '%s\n' "${results[@]}"
-  for f in pytest-devices.log pytest-suite.log; do
+  for f in pytest-devices.log pytest-in-place.log pytest-suite.log; do
     [ -f "$LOG/$f" ] || continue
     echo "$f: $(pytest_tail "$LOG/$f")"
     grep -E '^(FAILED|ERROR) ' "$LOG/$f" | head -n 20
     grep -E '^SKIPPED ' "$LOG/$f" | head -n 10
   done
+  if [ -f "$LOG/weight-sync.log" ]; then
+    line=$(grep -n -m 1 "^inference='server': update_weights" "$LOG/weight-sync.log" | cut -d: -f1)
+    [ -n "$line" ] && { echo "benchmarks/weight_sync.py --server-only:"; tail -n "+$line" "$LOG/weight-sync.log" | head -n 8; }
+  fi
+  if [ -f "$LOG/inference-busy.log" ]; then
+    line=$(grep -n -m 1 '^the busy GPU trainer alone' "$LOG/inference-busy.log" | cut -d: -f1)
+    [ -n "$line" ] && { echo "beside a GPU trainer:"; tail -n "+$line" "$LOG/inference-busy.log"; }
+  fi
   if [ -f "$LOG/inference.log" ]; then
     line=$(grep -n -m 1 '^Pong (84x84' "$LOG/inference.log" | cut -d: -f1)
     [ -n "$line" ] && { echo "benchmarks/inference.py --device cuda $BENCH_ARGS:"; tail -n "+$line" "$LOG/inference.log"; }
@@ -286,6 +297,17 @@ env.close()'
   step "pytest tests/test_devices.py" pytest-devices.log 240 \
     "$PY" -m pytest -p no:cacheprovider -v --timeout 180 --durations 10 tests/test_devices.py
 
+  # a policy trained in place on the same GPU (optimizer steps on the default stream) while the server
+  # infers on its own stream: every frame acts with the weights its version names, in every CUDA mode
+  step "pytest tests/test_in_place_training.py (CUDA server: plain, groups, compile, cudagraph, storing)" \
+    pytest-in-place.log 240 \
+    "$PY" -m pytest -p no:cacheprovider -v --timeout 200 tests/test_in_place_training.py -k cuda
+
+  if [ "${SKIP_BENCH:-0}" != 1 ] && [ "$cuda" -gt 0 ]; then
+    step "benchmarks/weight_sync.py --server-only (an update's latency, the server's extra memory)" \
+      weight-sync.log 120 "$PY" benchmarks/weight_sync.py --server-only --n 10 --n-big 5
+  fi
+
   if [ "${SKIP_BENCH:-0}" = 1 ]; then
     record SKIP "benchmarks/inference.py --device cuda" "SKIP_BENCH=1"
   elif [ "$cuda" -eq 0 ]; then
@@ -297,6 +319,10 @@ env.close()'
     # shellcheck disable=SC2086
     step "benchmarks/inference.py --device cuda" inference.log 200 \
       "$PY" benchmarks/inference.py --device cuda $BENCH_ARGS --json "$LOG/inference.json"
+    # the learner trains on the same GPU (its default stream) while the server infers on its own
+    step "benchmarks/inference.py --device cuda --busy-trainer (64 envs)" inference-busy.log 90 \
+      "$PY" benchmarks/inference.py --device cuda --busy-trainer --rounds 1 --seconds 3 --warmup 1 --workers 8 \
+      --gpu-envs 64
   fi
 
   # Last, with the time left: every other test file. The CUDA ones among them (server inference,

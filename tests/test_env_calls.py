@@ -1,0 +1,182 @@
+"""Reaching into the workers' envs (call, get_attr, set_attr, map_fn, getattr_env,
+getattr_policy): one result per env row in row order; a change is applied between two env steps
+and every frame whose step began after the call returned carries its env epoch in
+("collector", "env_epoch") and steps under it; set_attr (and persist=True calls) survive a
+SIGKILLed and restarted worker; an env's error arrives as its own type with the worker's
+traceback, and the worker goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from aiocollect import Collector, ConfigError, WorkerError
+from aiocollect.events import WorkerRestarted
+
+
+class RewardScale(gym.Wrapper):
+    """CartPole (reward 1 per step) whose rewards are multiplied by ``scale``: a frame's reward
+    says under which setting it was stepped."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.scale = 1.0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward * self.scale, terminated, truncated, info
+
+    def raise_scale(self, by: float) -> float:
+        self.scale += by
+        return self.scale
+
+
+def rows_of(batch) -> tuple[np.ndarray, np.ndarray]:
+    return batch["next", "reward"][..., 0].numpy(), batch["collector", "env_epoch"].numpy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_a_curriculum_holds_from_the_call_on_across_a_restarted_worker(delivery):
+    """Every few batches set_attr raises the reward scale: every frame carries the epoch it was
+    stepped under and its reward is that epoch's scale; with sync delivery every frame of the
+    next batch has the new one; a SIGKILLed worker's replacement steps under the latest scale
+    (set_attr is replayed before its first batch) without the program noticing."""
+    scales = {0: 1.0}
+    async with Collector(RewardScale, None, frames_per_batch=64, total_frames=-1, num_workers=2, envs_per_worker=2,
+                         delivery=delivery, on_worker_failure="restart") as c:
+        killed = False
+        for n in range(12):
+            batch = await c.collect()
+            reward, epoch = rows_of(batch)
+            expected = np.vectorize(scales.get)(epoch)
+            np.testing.assert_array_equal(reward, expected)
+            if delivery == "sync" and n % 3 == 1:
+                assert (epoch == c.env_epoch).all()  # (the batch after the call: all of it)
+            if n % 3 == 0:
+                new = float(n + 2)
+                e = await c.set_attr("scale", new)
+                assert e == c.env_epoch and e not in scales
+                scales[e] = new
+                assert await c.get_attr("scale") == [new] * 4
+            if n == 6 and not killed:
+                pid = c.worker_pids[1]
+                os.kill(pid, signal.SIGKILL)
+                await c.wait_for(WorkerRestarted)
+                killed = True
+                assert c.worker_pids[1] != pid
+                assert await c.get_attr("scale") == [scales[c.env_epoch]] * 4
+        assert c.stats().restarts == 1
+
+
+async def test_sync_delivery_every_frame_after_the_call_is_under_it_with_the_local_backend():
+    async with Collector(RewardScale, None, frames_per_batch=32, total_frames=-1, num_workers=0,
+                         envs_per_worker=2) as c:
+        await c.collect()
+        e = await c.set_attr("scale", 5.0)
+        reward, epoch = rows_of(await c.collect())
+        assert (epoch == e).all() and (reward == 5.0).all()
+
+
+async def test_call_get_set_and_map_fn_give_one_result_per_row_in_row_order():
+    async with Collector(RewardScale, None, frames_per_batch=32, total_frames=-1, num_workers=2,
+                         envs_per_worker=2) as c:
+        assert c.env_epoch == 0
+        assert await c.set_attr("scale", [1.0, 2.0, 3.0, 4.0]) == 1  # (one value per row)
+        assert await c.get_attr("scale") == [1.0, 2.0, 3.0, 4.0]
+        assert await c.get_attr("scale", indices=[3, 0]) == [4.0, 1.0]
+        assert await c.get_attr("scale", workers=[1]) == [3.0, 4.0]
+        assert await c.call("raise_scale", 10.0, indices=[2]) == [13.0]
+        assert await c.map_fn(lambda env, k: env.get_wrapper_attr("scale") * k, 2) == [2.0, 4.0, 26.0, 8.0]
+        # attributes through gymnasium's wrappers (TimeLimit's), TorchRL's getattr_env: the first env's
+        assert await c.get_attr("_max_episode_steps") == [500] * 4
+        assert await c.getattr_env("_max_episode_steps") == 500
+        assert c.env_epoch == 3
+        reward, epoch = rows_of(await c.collect())
+        np.testing.assert_array_equal(reward, np.array([1.0, 2.0, 13.0, 4.0])[:, None].repeat(reward.shape[1], 1))
+        assert (epoch == 3).all()  # (map_fn starts an epoch too, on every row it reached)
+
+
+async def test_an_env_error_arrives_as_its_type_with_the_worker_traceback_and_the_worker_goes_on():
+    def boom(env):
+        raise KeyError("no such level")
+
+    async with Collector(RewardScale, None, frames_per_batch=32, total_frames=-1, num_workers=2,
+                         envs_per_worker=1) as c:
+        with pytest.raises(KeyError, match="no such level") as info:
+            await c.map_fn(boom, indices=[1])
+        assert isinstance(info.value, WorkerError) and info.value.worker == 1
+        assert "boom" in info.value.worker_traceback
+        with pytest.raises(AttributeError, match="nope"):
+            await c.call("nope")
+        assert (await c.collect()).shape[0] == 2  # the workers go on
+        with pytest.raises(ConfigError, match="indices"):
+            await c.get_attr("scale", indices=[7])
+        with pytest.raises(ConfigError, match="2 values for 1 env rows"):
+            await c.set_attr("scale", [1.0, 2.0], indices=[0])
+
+
+@pytest.mark.timeout(120)
+async def test_a_persisted_call_is_made_again_by_a_replacement_and_an_unpersisted_one_is_not():
+    async with Collector(RewardScale, None, frames_per_batch=32, total_frames=-1, num_workers=1,
+                         envs_per_worker=1, on_worker_failure="restart") as c:
+        await c.collect()
+        await c.call("raise_scale", 1.0, persist=True)  # 2.0, kept
+        await c.call("raise_scale", 5.0)  # 7.0, gone with the envs
+        assert await c.get_attr("scale") == [7.0]
+        os.kill(c.worker_pids[0], signal.SIGKILL)
+        await c.wait_for(WorkerRestarted)
+        assert await c.get_attr("scale") == [2.0]
+        reward, epoch = rows_of(await c.collect())
+        assert (reward == 2.0).all() and (epoch == 1).all()  # (the epoch of the last kept call)
+
+
+async def test_vector_env_sub_envs_are_rows():
+    def make():
+        return gym.wrappers.vector.DictInfoToList(gym.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync"))
+
+    async with Collector(make, None, frames_per_batch=60, total_frames=-1, num_workers=2, envs_per_worker=1) as c:
+        await c.collect()
+        assert await c.get_attr("gravity") == [9.8] * 6
+        await c.set_attr("gravity", 5.0, indices=[1, 4])
+        assert await c.get_attr("gravity") == [9.8, 5.0, 9.8, 9.8, 5.0, 9.8]
+        assert await c.call("_max_episode_steps", indices=[5]) == [500]
+        assert await c.map_fn(lambda env: type(env.unwrapped).__name__, indices=[2]) == ["CartPoleEnv"]
+        epoch = (await c.collect())["collector", "env_epoch"]
+        assert epoch.shape[0] == 6 and (epoch[[1, 4]] == 1).all()
+
+
+class Tagged(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.tag = "mine"
+
+    def forward(self, observation):
+        return self.net(observation).argmax(-1)
+
+
+async def test_getattr_policy_reads_the_workers_replica():
+    async with Collector("CartPole-v1", Tagged(), frames_per_batch=16, total_frames=-1, num_workers=1) as c:
+        assert await c.getattr_policy("tag") == "mine"
+
+
+def test_the_blocking_wrapper_has_them_too():
+    with Collector(RewardScale, None, frames_per_batch=16, total_frames=-1, num_workers=1, envs_per_worker=2) as c:
+        next(iter(c))
+        e = c.set_attr("scale", 4.0)
+        assert c.get_attr("scale") == [4.0, 4.0]
+        reward, epoch = rows_of(next(iter(c)))
+        assert (epoch == e).all() and (reward == 4.0).all()
+
+
+async def test_a_closed_collector_refuses():
+    c = Collector(RewardScale, None, frames_per_batch=16, total_frames=-1, num_workers=0)
+    await c.aclose()
+    with pytest.raises(Exception, match="closed"):
+        await c.get_attr("scale")
