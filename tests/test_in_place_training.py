@@ -63,14 +63,14 @@ def wrong_frames(batch, reference: Net, snapshots: dict[int, dict]) -> int:
 
 async def pause_while_collecting(c: Collector) -> None:
     """Let the collection run on for a while after the optimizer's step: until the inference
-    server made a few more forward passes (a second at most: with sync delivery the workers may
-    have collected all they may ahead), or a moment with worker inference."""
+    server made a few more forward passes (a quarter of a second at most: with sync delivery the
+    workers may have collected all they may ahead), or a moment with worker inference."""
     server = c.stats().server
     if server is None:
         await anyio.sleep(0.05)
         return
     before = server["passes"]
-    with anyio.move_on_after(1):
+    with anyio.move_on_after(0.25):
         while (c.stats().server or {"passes": before})["passes"] < before + 3:
             await anyio.sleep(0.002)
 

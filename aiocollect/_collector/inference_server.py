@@ -442,7 +442,9 @@ class InferenceServer:
                 for name, value in state.items():
                     own = self.weights[name]
                     if value.data_ptr() != own.data_ptr() or value.device != own.device:
-                        own.copy_(value, non_blocking=self.cuda)
+                        # (asynchronous from a device tensor only: a host tensor the caller changes
+                        # right after this returns must have been read already)
+                        own.copy_(value, non_blocking=value.is_cuda)
             if self.cuda:
                 done = torch.cuda.Event()
                 done.record(self.stream)
