@@ -5,7 +5,10 @@ TorchRL's layout) leave through ``async for batch in collector`` and ``await col
 
 The event types of :mod:`aiocollect.events` are exported here too (``from aiocollect import
 EpisodeEnded``). The public names are loaded lazily: worker processes import this package too,
-and must not pay for torch or tensordict unless their policy needs them.
+and must not pay for torch or tensordict unless their policy needs them. Asking for
+``Collector`` or ``Evaluator`` starts the process that workers are forked from at once, so that
+it imports what they need while this process imports the rest (``AIOCOLLECT_NO_PREFORK=1``: not
+before the first collector starts).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__", "events", "testing"]
 
+# names whose users start worker processes: asking for one starts the launcher (see _backends.launcher)
+_PREFORK_ON = frozenset({"Collector", "Evaluator"})
+
 if TYPE_CHECKING:  # pragma: no cover
     from ._collector.collector import Collector as Collector
     from ._service.bus import Subscription as Subscription
@@ -121,6 +127,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'aiocollect' has no attribute {name!r}")
+    if name in _PREFORK_ON:
+        from ._backends.launcher import prefork
+
+        prefork()  # (before the import below, which loads torch: they run side by side)
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

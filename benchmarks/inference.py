@@ -171,7 +171,8 @@ async def _measure(env: Any, policy: nn.Module, setup: str, args: argparse.Names
     lags: list[float] = []
     async with Collector(env, policy, frames_per_batch=args.workers * envs * steps, num_workers=args.workers,
                          envs_per_worker=envs, inference=inference, seed=0, policy_device=device,
-                         worker_groups=groups, server_priority=priority, **_options(setup)) as c:
+                         worker_groups=groups, **({"server_priority": priority} if inference == "server" else {}),
+                         **_options(setup)) as c:
         it = aiter(c)
         t_end = time.perf_counter() + args.warmup  # (after the first batch: started, and warm)
         started = False

@@ -5,9 +5,12 @@ A probe task sleeps 1 ms again and again and records how late it wakes up. For e
 meanwhile (``run_delay`` in ``/proc/self/task/<tid>/schedstat``): a late wake-up whose lateness
 is that wait was the kernel's scheduler; one without it was the loop's own work or the GIL.
 
-1. **In the collector's process** (the loop that collects): worker inference, the server thread
-   at normal priority, the server thread under ``server_priority="idle"``, and that with the
-   workers kept off this process's first CPU (``worker_cpus``; where it may use two or more).
+1. **In the collector's process** (the loop that collects): worker inference, the server at
+   default options ("server"; ``server_priority="auto"``: on fewer CPUs than workers + 2, the
+   server's thread under ``SCHED_IDLE`` and the workers kept off this process's first CPU), that
+   with ``worker_groups=2``, the server thread at normal priority (the default before "auto"),
+   under ``server_priority="idle"``, and that with the workers kept off this process's first CPU
+   by hand (``worker_cpus``; where it may use two or more).
 2. **In another process** (``--other-process``): the whole collector in a child process, in this
    process's session or in a session of its own, and only a bare event loop with the probe here:
    what a server process (instead of a thread) would leave to the user's loop.
@@ -20,6 +23,7 @@ machine, and compare setups of one run.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -32,9 +36,15 @@ import torch
 
 from _util import ArgmaxMLP, log, machine, machine_line, next_batch, percentiles_ms, reap, sigterm_as_interrupt
 
-#: name: (inference, server_priority, the workers kept off this process's first CPU (worker_cpus))
-SETUPS = {"worker": ("worker", "normal", False), "server": ("server", "normal", False),
-          "server, idle": ("server", "idle", False), "idle, pinned": ("server", "idle", True)}
+#: name: (inference, options (server_priority, worker_groups), the workers kept off this process's first CPU by hand)
+SETUPS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "worker": ("worker", {}, False),
+    "server": ("server", {}, False),  # the defaults
+    "2 groups": ("server", {"worker_groups": 2}, False),
+    "server, normal": ("server", {"server_priority": "normal"}, False),
+    "server, idle": ("server", {"server_priority": "idle"}, False),
+    "idle, pinned": ("server", {"server_priority": "idle"}, True),
+}
 
 
 def workload(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, int]:
@@ -81,6 +91,21 @@ class Probe:
                 "late_wait": float(waits[late].mean()) if late.any() else 0.0}
 
 
+class FellBack(logging.Handler):
+    """Counts the ``server_priority="auto"`` server's going back to normal priority (it starved)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "normal priority from now on" in record.getMessage():
+            self.count += 1
+
+
+FELL_BACK = FellBack()
+
+
 async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: Probe | None,
                   ready: Any = None) -> float:
     """Collect for ``seconds`` after a second of warm-up (the probe running meanwhile); frames/s."""
@@ -89,8 +114,8 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
     from aiocollect import Collector
 
     env, policy, steps = workload(args)
-    inference, priority, pinned = SETUPS[setup]
-    extra: dict[str, Any] = {"server_priority": priority} if inference == "server" else {}
+    inference, options, pinned = SETUPS[setup]
+    extra = dict(options)
     if pinned:
         extra["worker_cpus"] = sorted(os.sched_getaffinity(0))[1:]
     async with Collector(env, policy, frames_per_batch=args.workers * args.envs * steps, num_workers=args.workers,
@@ -126,22 +151,37 @@ def run_loop(coro_fn: Any, *args: Any) -> Any:
 
 def in_process(args: argparse.Namespace) -> None:
     rows = []
+    logger = logging.getLogger("aiocollect")
+    logger.addHandler(FELL_BACK)
+    logger.setLevel(logging.INFO)  # (the server's going back to normal priority is an INFO record)
+    fell_back = []
     for setup in SETUPS:
         if SETUPS[setup][2] and len(os.sched_getaffinity(0)) < 2:
             continue  # (one CPU: nothing to keep for the loop)
         log(f"in the collector's process: {setup} ({args.seconds:g} s) ...")
         probe = Probe()
+        before = FELL_BACK.count
         try:
             fps = run_loop(collect, args, setup, args.seconds, probe)
         finally:
             reap(setup)
         rows.append((setup, fps, probe.summary()))
+        if FELL_BACK.count > before:
+            fell_back.append(setup)
+    from aiocollect._core.affinity import cpu_list, crowded, spare_one_cpu
+
+    how = "its thread under SCHED_IDLE" if crowded(args.workers) else "its thread at normal priority"
+    spare = spare_one_cpu(args.workers)
     log(f"\nThe loop that collects ({args.env}, {args.workers} workers x {args.envs} envs)")
+    log(f"(\"server\" and \"2 groups\": default options; here {how}"
+        + (f", the workers on CPUs {cpu_list(spare)})" if spare else ")"))
     log(f"{'setup':<14} {'frames/s':>9}  {'loop lag p50 / p99 / max (ms)':>29}  {'late (>1 ms)':>12}  "
         f"{'their lag':>9}  {'of it waiting for a core':>24}")
     for setup, fps, s in rows:
         log(f"{setup:<14} {fps:>9,.0f}  {s['p50']:>10.2f} / {s['p99']:>5.2f} / {s['max']:>6.2f}  {s['late_pct']:>11.1f}%  "
             f"{s['late_lag']:>6.2f} ms  {s['late_wait']:>21.2f} ms")
+    if fell_back:
+        log(f"(the server's thread went back to normal priority, starved of CPU, in: {', '.join(fell_back)})")
 
 
 def other_process(args: argparse.Namespace) -> None:

@@ -12,17 +12,23 @@ launcher running), ``--repeat`` runs each (default 5, interleaved), printed as t
 * **launch -> first batch**: a user's script run as ``python -c <script>``: ``import anyio``, ``from
   aiocollect import Collector`` (and ``import torch`` and a 4-64-2 MLP acting by argmax, for the MLP
   policy), then ``anyio.run`` of ``async with Collector("CartPole-v1", policy, frames_per_batch=2048,
-  num_workers=2, envs_per_worker=8)`` up to its first batch. Timed from just before this process
-  starts the child (so the interpreter's start is included) to the first batch in the child; the
-  breakdown shows when the child's imports were done and what ``Collector(...)`` -> first batch took
-  (the launcher's start, its imports, forking the workers, their envs' creation and first 2048
-  frames). The random policy's workers never import torch; the MLP's import it in the launcher.
+  num_workers=2, envs_per_worker=8)`` up to its first batch (``--workers 1,2,4``: a row per number
+  of workers). Timed from just before this process starts the child (so the interpreter's start is
+  included) to the first batch in the child; the breakdown shows when the child's imports were
+  done and what ``Collector(...)`` -> first batch took (what the launcher had not done yet, forking
+  the workers, their envs' creation and first 2048 frames, the collector's import of tensordict).
+  The launcher is started by ``from aiocollect import Collector`` and imports numpy, gymnasium and
+  the worker's modules beside the script's own imports (torch once ``Collector(...)`` says its
+  policy needs it; ``AIOCOLLECT_NO_PREFORK=1`` in this benchmark's environment: started by the
+  first collector, as before).
+* **beyond import torch**: launch -> first batch less launch -> ``import torch`` done (the
+  ``import torch`` row, same run, medians): what a script that imports torch waits for more.
 * **second collector**: in the same script, after the first collector closed, a second identical
   one: ``Collector(...)`` -> first batch (the launcher is still there, workers are forks of it).
 
 Run (about a minute and a half; the machine's load matters: the min - max range shows the noise)::
 
-    .venv/bin/python benchmarks/startup.py [--repeat 5] [--json benchmarks/results/startup.json]
+    .venv/bin/python benchmarks/startup.py [--repeat 5] [--workers 2] [--json benchmarks/results/startup.json]
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ async def main():
     out = {{}}
     for key in ("first", "second"):
         t0 = {clock}
-        async with Collector("CartPole-v1", policy, frames_per_batch=2048, num_workers=2,
+        async with Collector("CartPole-v1", policy, frames_per_batch=2048, num_workers={workers},
                              envs_per_worker=8) as collector:
             async for batch in collector:
                 assert batch.numel() == 2048
@@ -127,8 +133,8 @@ def measure_imports(statements: list[str]) -> dict[str, float]:
     return out
 
 
-def measure_first_batch(policy: str) -> dict[str, float]:
-    code = USER_SCRIPT.format(clock=CLOCK, policy=_POLICIES[policy], mark=MARK)
+def measure_first_batch(policy: str, workers: int = 2) -> dict[str, float]:
+    code = USER_SCRIPT.format(clock=CLOCK, policy=_POLICIES[policy], mark=MARK, workers=workers)
     t_launch, out = _run_child(code)
     return {
         "launch_to_first_batch": out["first_at"] - t_launch,
@@ -137,6 +143,16 @@ def measure_first_batch(policy: str) -> dict[str, float]:
         "collector_to_first_batch": out["first"],
         "second_collector": out["second"],
     }
+
+
+def _label(policy: str, workers: int, counts: list[int]) -> str:
+    """The row's name: the policy, and the number of workers when more than one is measured."""
+    return policy if counts == [2] else f"{policy}, {workers} workers"
+
+
+def _policy_words(label: str) -> str:
+    policy, _, workers = label.partition(", ")
+    return f"{policy} policy" + (f", {workers}" if workers else "")
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:
@@ -151,8 +167,10 @@ def _span(runs: list[dict[str, float]], key: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5, help="fresh processes per figure (default 5)")
+    p.add_argument("--workers", default="2", help="numbers of workers, comma-separated (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write the raw figures there")
     args = p.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")]
     become_subreaper()  # a launcher or worker a child leaves behind is reparented to us and seen
 
     log(
@@ -162,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     log(machine_line(machine()))
     load_start = os.getloadavg()[0]
     imports: dict[str, list[dict[str, float]]] = {row: [] for row, _ in IMPORTS}
-    batches: dict[str, list[dict[str, float]]] = {name: [] for name in _POLICIES}
+    batches: dict[str, list[dict[str, float]]] = {_label(name, n, counts): [] for n in counts for name in _POLICIES}
     for i in range(args.repeat):  # interleaved, so that a change of the machine's load hits all rows
         log(f"  round {i + 1}/{args.repeat} ...")
         for row, statements in IMPORTS:
             imports[row].append(measure_imports(statements))
-        for name in _POLICIES:
-            batches[name].append(measure_first_batch(name))
+        for n in counts:
+            for name in _POLICIES:
+                batches[_label(name, n, counts)].append(measure_first_batch(name, n))
 
     log("")
     log(f"{'':<42}{'median':>8}    [min - max]")
@@ -182,15 +201,21 @@ def main(argv: list[str] | None = None) -> int:
             parts = ", then ".join(f"{s.removeprefix('import ')} {_median(runs, s):.2f} s" for s in statements)
             log(f"{'':<44}in steps: {parts} (the rest)")
     for name, runs in batches.items():
-        log(f"{f'launch -> first batch, {name} policy':<42}{_span(runs, 'launch_to_first_batch')}")
+        log(f"{f'launch -> first batch, {_policy_words(name)}':<42}{_span(runs, 'launch_to_first_batch')}")
         log(
             f"{'':<44}python up {_median(runs, 'python_up'):.2f} s, imports (and policy) done "
             f"{_median(runs, 'imports_done'):.2f} s, Collector() -> first batch "
             f"{_median(runs, 'collector_to_first_batch'):.2f} s"
         )
+    torch_done = _median(imports["import torch"], "launch_to_done")
+    log(f"launch -> import torch done (median)      {torch_done:6.2f} s")
+    for name, runs in batches.items():
+        beyond = _median(runs, "launch_to_first_batch") - torch_done
+        log(f"{f'first batch beyond import torch, {name}':<42}{beyond:+6.2f} s")
     for name, runs in batches.items():
         log(f"{f'second collector, same process, {name}':<42}{_span(runs, 'second_collector')}")
-    log(f"load average (1 min) at the start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}")
+    log(f"load average (1 min) at the start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}; "
+        f"AIOCOLLECT_NO_PREFORK={os.environ.get('AIOCOLLECT_NO_PREFORK') or 'unset'}")
 
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

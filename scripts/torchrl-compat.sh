@@ -63,7 +63,7 @@ fi
 if [ $# -eq 0 ]; then
   # the TorchRL interop tests (and the migration page checked against TorchRL's signatures), then aiocollect's own tensordict-heavy modules on tensordict 0.14
   # (and the PPO example's TorchRL variant: its loss and GAE against TorchRL's, and a short run)
-  set -- tests/test_torchrl.py tests/test_torchrl_migration.py tests/test_torchrl_names.py tests/test_torchrl_recurrent.py tests/test_torchrl_strangers.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
+  set -- tests/test_torchrl.py tests/test_torchrl_migration.py tests/test_torchrl_names.py tests/test_torchrl_recurrent.py tests/test_torchrl_porting.py tests/test_collector.py tests/test_replay.py tests/test_split.py \
     tests/test_trajs.py tests/test_ppo_example.py::test_torchrl_short_run_learns \
     tests/test_ppo_example.py::test_hand_written_gae_and_loss_match_torchrl_on_a_real_batch \
     -q -x -p no:cacheprovider -n "${AIOCOLLECT_TEST_JOBS:-2}"

@@ -217,3 +217,46 @@ async def test_an_async_extend_runs_on_the_callers_loop_in_order():
     assert all(ident == caller for ident, _ in seen)
     # one env, 20-step episodes, 20-frame batches: each batch starts a new episode at step 0
     assert [obs % 100 for _, obs in seen] == [0] * 6
+
+
+@pytest.mark.parametrize("sink", ["buffer", "queue"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_a_sink_attached_inside_async_with_is_written_while_the_caller_trains(sink, prefetch):
+    """`async with Collector(...) as c: await c.start(replay_buffer=rb)`, the docs' main pattern:
+    the running collector's data plane moves to its own thread, so batches reach the sink while the
+    caller trains without awaiting; every frame arrives once, in order (the batches collected ahead
+    before the start too), each env's frames continuing its episode from batch to batch."""
+    frames = Frames(sink)
+    total = 32 * 10
+    batches = []
+    async with Collector(counting, frames_per_batch=32, num_workers=2, envs_per_worker=2, total_frames=total,
+                         prefetch=prefetch, seed=1) as c:
+        await anyio.sleep(0.2)  # (with prefetch, batches are collected ahead meanwhile)
+        assert _collector_threads() == []
+        await c.start(**frames.start_kwargs())
+        assert len(_collector_threads()) == 1  # (start() returns once the collector's thread runs)
+        def written() -> int:
+            if sink == "buffer":
+                return frames.buffer.write_count
+            while True:  # (the trainer takes the batches from its queue between steps)
+                try:
+                    batches.append(frames.queue.get_nowait())
+                except thread_queue.Empty:
+                    return sum(b.numel() for b in batches)
+
+        deadline = time.monotonic() + 60
+        while written() < total and time.monotonic() < deadline:
+            time.sleep(0.002)  # training: the thread is held, and no await
+        assert written() == total
+        if sink == "buffer":
+            batches = [frames.buffer.storage[i * 32 : (i + 1) * 32].reshape(4, 8) for i in range(total // 32)]  # (rows of [env, time])
+    obs = torch.stack([b["observation"][..., 0] for b in batches])  # [batch, env, time]
+    nxt = torch.stack([b["next", "observation"][..., 0] for b in batches])
+    done = torch.stack([b["next", "done"][..., 0] for b in batches])
+    flat_obs = obs.permute(1, 0, 2).reshape(obs.shape[1], -1)  # per env: its frames in order
+    flat_next = nxt.permute(1, 0, 2).reshape(obs.shape[1], -1)
+    flat_done = done.permute(1, 0, 2).reshape(obs.shape[1], -1)
+    # each frame starts where the previous one ended, unless that one ended its episode
+    continues = flat_obs[:, 1:] == flat_next[:, :-1]
+    assert bool((continues | flat_done[:, :-1]).all())
+    assert bool((flat_next == flat_obs + 1).all())

@@ -8,8 +8,11 @@ traceback, and the worker goes on."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import time
 
+import anyio
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -17,6 +20,8 @@ import torch
 
 from aiocollect import Collector, ConfigError, WorkerError
 from aiocollect.events import WorkerRestarted
+
+pytestmark = pytest.mark.loops("asyncio", "uvloop", "trio")
 
 
 class RewardScale(gym.Wrapper):
@@ -34,6 +39,12 @@ class RewardScale(gym.Wrapper):
     def raise_scale(self, by: float) -> float:
         self.scale += by
         return self.scale
+
+    def raise_scale_slowly(self, by: float, started: str) -> float:
+        """As raise_scale, after touching the file ``started`` and a second's sleep."""
+        pathlib.Path(started).touch()
+        time.sleep(1.0)
+        return self.raise_scale(by)
 
 
 def rows_of(batch) -> tuple[np.ndarray, np.ndarray]:
@@ -136,6 +147,29 @@ async def test_a_persisted_call_is_made_again_by_a_replacement_and_an_unpersiste
         assert (reward == 2.0).all() and (epoch == 1).all()  # (the epoch of the last kept call)
 
 
+@pytest.mark.timeout(120)
+async def test_a_persisted_call_its_worker_died_in_is_made_once_by_the_replacement(tmp_path):
+    """A worker SIGKILLed while it applies a persist=True call: its replacement makes the call (the
+    caller gets its results) once, not also with the kept calls it applies as it starts."""
+    started = tmp_path / "started"
+    async with Collector(RewardScale, None, frames_per_batch=32, total_frames=-1, num_workers=1,
+                         envs_per_worker=1, on_worker_failure="restart") as c:
+        await c.set_attr("scale", 2.0)
+        results = []
+
+        async def call() -> None:
+            results.append(await c.call("raise_scale_slowly", 1.0, str(started), persist=True))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            while not started.exists():
+                await anyio.sleep(0.01)
+            started.unlink()
+            os.kill(c.worker_pids[0], signal.SIGKILL)
+        assert results == [[3.0]] and c.stats().restarts == 1
+        assert await c.get_attr("scale") == [3.0]
+
+
 async def test_vector_env_sub_envs_are_rows():
     def make():
         return gym.wrappers.vector.DictInfoToList(gym.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync"))
@@ -164,6 +198,36 @@ class Tagged(torch.nn.Module):
 async def test_getattr_policy_reads_the_workers_replica():
     async with Collector("CartPole-v1", Tagged(), frames_per_batch=16, total_frames=-1, num_workers=1) as c:
         assert await c.getattr_policy("tag") == "mine"
+
+
+async def test_getattr_policy_with_server_inference_reads_the_servers_own_copy():
+    """inference="server": the policy that acts is the server's copy in this process; getattr_policy
+    reads it (the weights of the last update_weights, not the caller's module changed in place)."""
+    policy = Tagged()
+    async with Collector("CartPole-v1", policy, frames_per_batch=16, total_frames=-1, num_workers=1,
+                         inference="server") as c:
+        await c.collect()
+        assert await c.getattr_policy("tag") == "mine"
+        net = await c.getattr_policy("net")
+        assert net is not policy.net and torch.equal(net.weight, policy.net.weight)
+        with torch.no_grad():
+            policy.net.weight.add_(1.0)
+        assert not torch.equal((await c.getattr_policy("net")).weight, policy.net.weight)
+        await c.update_weights(policy)
+        assert torch.equal((await c.getattr_policy("net")).weight, policy.net.weight)
+        with pytest.raises(AttributeError, match="nope"):
+            await c.getattr_policy("nope")
+
+
+async def test_torchrls_map_fn_with_a_method_name_is_refused_with_the_call_to_make():
+    """TorchRL's map_fn(method_name, list_of_args) calls a method of each worker; ours applies a
+    function to every env: a name raises a ConfigError that shows the equivalent call()."""
+    c = Collector(RewardScale, None, frames_per_batch=16, total_frames=-1, num_workers=0)
+    try:
+        with pytest.raises(ConfigError, match=r"call\('raise_scale', \*args, workers=\[i\]\)"):
+            c.map_fn("env.raise_scale", list_of_args=[(1.0,)])
+    finally:
+        await c.aclose()
 
 
 def test_the_blocking_wrapper_has_them_too():

@@ -1,7 +1,10 @@
 """The package's wings import one way: a module imports only from its own wing and the wings
-below it (lazy imports inside functions count; names imported under ``if TYPE_CHECKING:`` are
-annotations, never run, and do not), sibling wings on one floor never import each other, no two
-modules import each other in a circle, and only a few modules sit directly in ``aiocollect/``."""
+below it (lazy imports inside functions count, and so do names imported under
+``if TYPE_CHECKING:``: a lower wing that needs an upper one's type names a small ``Protocol`` of
+its own, what it really uses, that the upper class meets), sibling wings on one floor never import
+each other, no two modules import each other in a circle when they run (an import under
+``if TYPE_CHECKING:`` never runs, so it makes no circle), and only a few modules sit directly in
+``aiocollect/``."""
 
 from __future__ import annotations
 
@@ -46,15 +49,16 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the modules of the package it imports (at module level or inside functions)."""
+def import_graph(package: pathlib.Path = PACKAGE, *, type_checking: bool = True) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (at module level or inside functions;
+    under ``if TYPE_CHECKING:`` too, unless ``type_checking=False``: what runs)."""
     files = {_module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
         here = name if is_package else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         for node in ast.walk(tree):
             if id(node) in skip:
                 continue
@@ -146,7 +150,7 @@ def test_every_import_runs_down_the_floors_or_within_a_wing() -> None:
 
 @pytest.mark.timeout(60)
 def test_no_two_modules_import_each_other_in_a_circle() -> None:
-    assert cycles(import_graph()) == []
+    assert cycles(import_graph(type_checking=False)) == []
 
 
 @pytest.mark.timeout(60)
@@ -170,14 +174,24 @@ def test_the_checks_find_a_backward_import_a_sibling_import_and_a_circle(tmp_pat
     (root / "_core" / "errors.py").write_text("def f():\n    from .._worker import rollout\n")
     (root / "_worker" / "rollout.py").write_text("from .._core import errors\n")
     (root / "_collector" / "run.py").write_text("from .._evaluator.run import x\n")
+    (root / "_core" / "profiling.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .._collector.run import RunState\n"
+    )
     (root / "_evaluator" / "run.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .._collector.run import y\n"
     )
     graph = import_graph(root)
     assert graph["aiocollect._core.errors"] == {"aiocollect._worker.rollout"}
-    assert graph["aiocollect._evaluator.run"] == set()  # annotations only
+    assert graph["aiocollect._core.profiling"] == {"aiocollect._collector.run"}  # an annotation's import counts
     assert backward_imports(graph) == [
         "aiocollect._collector.run imports aiocollect._evaluator.run, a sibling wing on its floor",
         "aiocollect._core.errors imports aiocollect._worker.rollout, a floor above it",
+        "aiocollect._core.profiling imports aiocollect._collector.run, a floor above it",
+        "aiocollect._evaluator.run imports aiocollect._collector.run, a sibling wing on its floor",
     ]
-    assert cycles(graph) == [["aiocollect._core.errors", "aiocollect._worker.rollout"]]
+    assert cycles(graph) == [
+        ["aiocollect._collector.run", "aiocollect._evaluator.run"],
+        ["aiocollect._core.errors", "aiocollect._worker.rollout"],
+    ]
+    # what runs: the imports under TYPE_CHECKING make no circle
+    assert cycles(import_graph(root, type_checking=False)) == [["aiocollect._core.errors", "aiocollect._worker.rollout"]]

@@ -380,12 +380,27 @@ def _env_that_hangs_in_close():
     return HangsInClose
 
 
+class HangsInStep(CountingEnv):
+    """Its first step tells it began (a file appears), then never returns."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def step(self, action):
+        with open(self.marker, "w"):
+            pass
+        time.sleep(60)  # a simulator stuck in a step
+        return super().step(action)
+
+
 @pytest.mark.parametrize("where", ["step", "close"])
-async def test_worker_stuck_in_env_is_killed_after_shutdown_timeout(where):
+async def test_worker_stuck_in_env_is_killed_after_shutdown_timeout(where, tmp_path):
     """A worker stuck in an env's step() or close() does not hold up aclose(): it is killed
     after shutdown_timeout seconds."""
+    marker = tmp_path / "stepping"
     if where == "step":
-        env_fn, kwargs = CountingEnv, {"step_sleep": 60.0}
+        env_fn, kwargs = HangsInStep, {"marker": str(marker)}
     else:
         env_fn, kwargs = _env_that_hangs_in_close(), None
     # (prefetch=1: the worker steps, and gets stuck, without a request)
@@ -395,6 +410,10 @@ async def test_worker_stuck_in_env_is_killed_after_shutdown_timeout(where):
     pids = c.worker_pids
     if where == "close":
         await c.collect()
+    else:
+        with anyio.fail_after(30):
+            while not marker.exists():  # (the worker is in its step now)
+                await anyio.sleep(0.01)
     t0 = time.monotonic()
     with anyio.fail_after(10):
         await c.aclose()

@@ -200,7 +200,7 @@ def test_a_collector_option_set_without_its_setting_is_refused_naming_both(row, 
     assert f"but {label}=" in message
 
 
-BACKEND_ROWS = [row for row in EVALUATOR_MODE_OPTIONS if row.setting == "backend"]  # (the others: test_config_strangers.py)
+BACKEND_ROWS = [row for row in EVALUATOR_MODE_OPTIONS if row.setting == "backend"]  # (the others: test_constructor_arguments.py)
 
 
 def test_every_row_of_the_evaluators_table_can_fail():

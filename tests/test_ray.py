@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray")
 
 from aiocollect import BrokenWorkerError, Collector, ConfigError, WorkerError, WorkerTimeoutError  # noqa: E402
 from aiocollect import events as ev  # noqa: E402
+from aiocollect import events as ev_events  # noqa: E402
 from aiocollect.testing import CountingEnv, InjectedFailure  # noqa: E402
 
 from procs import local_ray  # noqa: E402
@@ -628,6 +629,126 @@ async def test_aclose_while_actors_wait_for_resources():
     while _ours_alive() and time.monotonic() < deadline:
         await anyio.sleep(0.05)
     assert not _ours_alive()
+
+
+# ---- reaching into the actors' envs (call, get_attr, set_attr, map_fn) -----------------------------
+
+
+class RewardScale(gym.Wrapper):
+    """CartPole (reward 1 per step) whose rewards are multiplied by ``scale``: a frame's reward
+    says under which setting it was stepped."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.scale = 1.0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward * self.scale, terminated, truncated, info
+
+    def set_level(self, level: int) -> int:
+        self.level = level
+        return level
+
+
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+@pytest.mark.parametrize("delivery", ["sync", "async"])
+async def test_a_curriculum_through_set_attr_holds_for_every_frame_across_a_killed_actor(delivery):
+    """Every few batches set_attr raises the reward scale of the actors' envs: every frame carries
+    the env epoch it was stepped under and that epoch's reward scale, an env row's epoch never goes
+    back, and with sync delivery every frame of the batch after the call has the new epoch. An
+    actor killed with ray.kill is replaced, and its new envs step under the latest scale
+    (set_attr is replayed before its first batch) without the program noticing."""
+    scales = {0: 1.0}
+    last = np.zeros(4, np.int64)  # per env row: the epoch of its latest frame
+    c = Collector(RewardScale, None, frames_per_batch=64, total_frames=-1, num_workers=2, envs_per_worker=2,
+                  backend="ray", delivery=delivery, on_worker_failure="restart", seed=5)
+    with anyio.fail_after(110):
+        async with c:
+            called = None
+            for n in range(11):
+                batch = await c.collect()
+                seen(c)
+                reward = batch["next", "reward"][..., 0].numpy()
+                epoch = batch["collector", "env_epoch"].numpy()
+                rows = (batch["collector", "traj_ids"][:, 0] % 4).numpy()
+                np.testing.assert_array_equal(reward, np.vectorize(scales.get)(epoch))
+                assert (np.diff(epoch, axis=1) >= 0).all() and (epoch[:, 0] >= last[rows]).all()
+                last[rows] = epoch[:, -1]
+                if delivery == "sync" and called is not None:
+                    assert (epoch == called).all()  # the whole batch after the call
+                called = None
+                if n % 3 == 0:
+                    new = float(n + 2)
+                    e = await c.set_attr("scale", new)
+                    assert e == c.env_epoch and e not in scales
+                    scales[e], called = new, e
+                    assert await c.get_attr("scale") == [new] * 4
+                if n == 4:  # (noticed by the next batch it is asked for)
+                    old = c.worker_pids[1]
+                    ray.kill(c._run.shared.workers[1].actor)
+            assert c.stats().restarts == 1 and seen(c)[1] != old
+            assert await c.get_attr("scale") == [scales[c.env_epoch]] * 4
+        if delivery == "sync":  # (async: the last batch of a worker may be older than the last call)
+            assert last.tolist() == [c.env_epoch] * 4
+
+
+class Tagged(Greedy):
+    tag = "mine"
+
+
+def _boom(env):
+    raise KeyError("no such level")
+
+
+async def test_env_calls_on_actors_give_results_in_row_order_and_errors_with_the_actor_traceback():
+    """call/get_attr/map_fn/getattr_env/getattr_policy reach the actors' envs and policy with one
+    result per env row; an env's error arrives as its own type with the actor's traceback, and the
+    actor goes on; a persisted call is made again by a replaced actor."""
+    with anyio.fail_after(90):
+        async with Collector(RewardScale, Tagged(), frames_per_batch=32, total_frames=-1, num_workers=2,
+                             envs_per_worker=2, backend="ray", on_worker_failure="restart") as c:
+            seen(c)
+            assert await c.set_attr("scale", [1.0, 2.0, 3.0, 4.0]) == 1
+            assert await c.get_attr("scale", indices=[3, 0]) == [4.0, 1.0]
+            assert await c.map_fn(lambda env, k: env.get_wrapper_attr("scale") * k, 2, workers=[1]) == [6.0, 8.0]
+            assert await c.getattr_env("_max_episode_steps") == 500
+            assert await c.getattr_policy("tag") == "mine"
+            with pytest.raises(KeyError, match="no such level") as info:
+                await c.map_fn(_boom, indices=[2])
+            assert isinstance(info.value, WorkerError) and info.value.worker == 1
+            assert "_boom" in info.value.worker_traceback
+            assert await c.call("set_level", 7, persist=True) == [7] * 4
+            batch = await c.collect()
+            assert (batch["collector", "env_epoch"] == c.env_epoch).all()
+            ray.kill(c._run.shared.workers[0].actor)
+            # (the idle actor's death is found by the call, which its replacement answers)
+            assert await c.get_attr("level") == [7] * 4
+            assert c.stats().restarts == 1
+            seen(c)
+            assert await c.get_attr("scale") == [1.0, 2.0, 3.0, 4.0]
+
+
+async def test_the_evaluator_actors_envs_are_reached_and_kept_calls_survive_a_killed_actor():
+    """Evaluator(backend="ray"): set_attr between evaluations holds for the next ones, an env's error
+    arrives as its own type, and a new actor (after ray.kill, under restart) sets it again."""
+    from aiocollect import Evaluator
+
+    with anyio.fail_after(90):
+        async with Evaluator(RewardScale, num_trajectories=2, num_envs=2, seed=0, backend="ray",
+                             on_worker_failure="restart") as ev:
+            _pids.append(ev.worker_pid)
+            await ev.set_attr("scale", 3.0)
+            metrics = await ev.evaluate()
+            assert metrics["return_mean"] == 3.0 * metrics["episode_length_mean"]
+            with pytest.raises(KeyError, match="no such level") as info:
+                await ev.map_fn(_boom)
+            assert "_boom" in info.value.worker_traceback
+            ray.kill(ev._run.proc.actor)
+            with anyio.fail_after(30):  # (noticed by its ping, every second)
+                await ev.wait_for(ev_events.WorkerRestarted)
+            _pids.append(ev.worker_pid)
+            assert await ev.get_attr("scale") == [3.0, 3.0]
 
 
 def test_zz_no_actor_alive_after_the_module():

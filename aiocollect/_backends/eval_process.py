@@ -19,7 +19,8 @@ from .._core import shm as _shm
 from .child import HELLO_WAIT, ChildProcess
 from .._core.errors import BrokenWorkerError, WorkerError
 from .._core.eval_wire import Abort, Aborted, Answer, Configure, Error, Evaluate, Failed, Ready, Result, is_fatal
-from .failures import stop_on_failure
+from .._core.wire import EnvCall, EnvCallDone
+from .failures import stop_on_failure, unpacked_error
 from .launcher import get_launcher
 
 ENTRY = "aiocollect._worker.eval_main:serve"
@@ -142,6 +143,24 @@ class EvalProcess(ChildProcess):
                 # else the answer to an abort that arrived after its evaluation finished
         finally:
             self.waiting = None
+
+    async def env_call(self, call: EnvCall) -> list:
+        """Send the env call ``call`` (between evaluations: the evaluator sends none during one);
+        its results, one per env row, once the worker applied it. Raises what the env raised as
+        the worker's error (the worker goes on), and the worker's death (or fatal error) if it
+        comes first."""
+        await self.send(call)
+        while True:
+            msg = await self.reply()
+            if is_fatal(msg):
+                raise self.error_from(msg)
+            if isinstance(msg, EnvCallDone) and msg.id == call.id:
+                break
+        if msg.error is not None:
+            raise unpacked_error(None, self.pid, msg.result, msg.error, self.name)
+        import cloudpickle
+
+        return cloudpickle.loads(msg.result)
 
     def abort_nowait(self, rid: int) -> None:
         """Ask the worker to stop evaluation ``rid`` (from synchronous code: a cancelled caller)."""

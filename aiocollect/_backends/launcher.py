@@ -1,11 +1,22 @@
 """The launcher: a clean template process of ours from which worker processes are forked.
 
 Workers never fork the user's process (it holds an event loop, threads, perhaps CUDA). Instead
-the first collector in a process starts ``python -m aiocollect._backends.launcher``, a fresh interpreter
-that imports what workers need (numpy, gymnasium; torch and tensordict the first time a policy
-needs them) once, then forks a worker per request in a few milliseconds. It lives as long as the
-process that started it (it exits when that process closes its socket, including on a crash) or
-until :func:`shutdown_launcher`. Its workers get SIGKILL if it dies.
+``python -m aiocollect._backends.launcher`` is started, a fresh interpreter that imports what
+workers need (numpy, gymnasium; torch and tensordict the first time a policy needs them) once,
+then forks a worker per request in a few milliseconds. It lives as long as the process that
+started it (it exits when that process closes its socket, including on a crash) or until
+:func:`shutdown_launcher`. Its workers get SIGKILL if it dies.
+
+**Started early** (:func:`prefork`): as soon as a program asks for ``aiocollect.Collector`` or
+``aiocollect.Evaluator`` (``from aiocollect import Collector``), before that import loads torch,
+the template is started and imports numpy, gymnasium and the worker's modules in parallel with
+the program's own imports, so that the first collector finds it ready instead of paying those
+imports a second time after the program's (torch waits for a policy that needs it:
+:data:`PREFORK_NEEDS`). Unused, it is a sleeping process that ends with the program (or with
+:func:`shutdown_launcher`). ``AIOCOLLECT_NO_PREFORK=1`` in the environment turns this off (it is
+then started by the first collector, as before). A process that forks gets no share of it: the
+child closes its inherited socket at once (``os.register_at_fork``) and starts its own when it
+needs one.
 """
 
 from __future__ import annotations
@@ -23,9 +34,17 @@ from typing import Any
 
 from .._core import wire as _wire
 from .._core.public import public
+from .._core.quick_import import import_module
 
 _PR_SET_PDEATHSIG = 1
 _PRELOAD = ("numpy", "gymnasium", "cloudpickle", "aiocollect._worker.rollout", "aiocollect._worker.main")
+#: what an early start (prefork) imports beyond _PRELOAD: nothing, and torch in particular not:
+#: the workers of server inference and of random actions never load torch (they stay light), so
+#: the template imports it only once a collector's policy needs it
+PREFORK_NEEDS: tuple[str, ...] = ()
+#: environment variable: set to anything but "" or "0", no template is started before a collector needs one
+NO_PREFORK = "AIOCOLLECT_NO_PREFORK"
+_in_template = False  # True in the template process and in its workers (forks of it): they never prefork
 
 
 def _set_parent_death_signal() -> None:
@@ -68,6 +87,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the user's process's to handle
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+    from . import launcher as this  # (this file runs as __main__: the module the workers see is another)
+
+    this._in_template = True
     for name in _PRELOAD:
         importlib.import_module(name)
     while True:
@@ -77,7 +99,7 @@ def main() -> None:
         request, fds = got
         try:
             for name in request.get("needs", ()):
-                importlib.import_module(name)
+                import_module(name)  # (tensordict without torch._dynamo: quick_import)
             if request["op"] != "spawn":
                 continue
             template_pid = os.getpid()
@@ -109,12 +131,25 @@ class Launcher:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._pid_owner = os.getpid()
+        self._inherited: list[subprocess.Popen] = []  # a forked child's: the parent's to wait for
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited socket (the template then ends with the parent's
+        own, not with the last child's), and start a template of its own when it needs one."""
+        self._lock = threading.Lock()  # (another thread may have held it at the fork)
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:  # pragma: no cover
+                pass
+        if self._proc is not None:
+            self._inherited.append(self._proc)  # (not this process's child: never waited for here)
+        self._proc = self._sock = None
+        self._pid_owner = os.getpid()
 
     def _start(self) -> None:
-        if self._pid_owner != os.getpid():  # inherited through a fork: the parent's to manage
-            if self._sock is not None:
-                self._sock.close()
-            self._proc = self._sock = None
+        if self._pid_owner != os.getpid():  # pragma: no cover - forget_after_fork ran at the fork
+            self.forget_after_fork()
         self._stop_locked()  # a dead launcher: close its socket, reap it
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
@@ -204,10 +239,34 @@ class Launcher:
 
 _launcher = Launcher()
 atexit.register(_launcher.shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_launcher.forget_after_fork)
 
 
 def get_launcher() -> Launcher:
     return _launcher
+
+
+def prefork_wanted() -> bool:
+    """Whether :func:`prefork` starts the template here: not when ``AIOCOLLECT_NO_PREFORK`` is set,
+    not in the template or its workers, not in a child of :mod:`multiprocessing` (a spawned
+    process that imports the program's modules: the program's own process starts one)."""
+    if os.environ.get(NO_PREFORK, "") not in ("", "0") or _in_template:
+        return False
+    mp = sys.modules.get("multiprocessing")
+    return mp is None or mp.parent_process() is None
+
+
+def prefork() -> None:
+    """Start the template process now, if it is wanted (:func:`prefork_wanted`) and not running,
+    to import what workers need while this process goes on: returns at once. A failure to start
+    it is left for the first collector to meet (and report)."""
+    if not prefork_wanted():
+        return
+    try:
+        _launcher.ensure_started(PREFORK_NEEDS)
+    except OSError:  # pragma: no cover - the first collector starts it again, and says why not
+        pass
 
 
 @public

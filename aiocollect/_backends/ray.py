@@ -7,8 +7,10 @@ the batch as one byte array, put in Ray's object store by the actor, plus a smal
 reference's future wakes the loop from Ray's thread) and copied into the collector's slot, from
 where the producer delivers it as with any backend. Per weight update: one ``ray.put`` of the
 store's newest version, shared by every actor that reads the store, and one ``set_weights`` call per
-actor naming it. The actors never see the collector's shared memory, so they may run on other
-machines of the Ray cluster.
+actor naming it. Per env call (``Collector.call``, ``set_attr`` ...): one ``env_call`` per actor
+it reaches, in a concurrency group of its own, answered once the actor applied it between two env
+steps. The actors never see the collector's shared memory, so they may run on other machines of
+the Ray cluster.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .._core.heartbeat import STOPPED, UNRESPONSIVE, process_state
 from .._core.layout import SlotLayout
 from .._worker.rollout import RolloutConfig
 from .failures import REPLACE_DEAD, REPLACE_HUNG, changed_spec, hung_error, ray_error, stop_on_failure, unpacked_error
-from .workers import LoopSeat, OnApplied, OnReady, _Slots, allocate_segment
+from .workers import LoopSeat, OnApplied, OnReady, CallWaiter, _Slots, allocate_segment
 
 log = logging.getLogger("aiocollect")
 
@@ -68,7 +70,7 @@ def check_actor_options(options: Any, workers: int) -> list[dict]:
     known, validate = _ray_option_checks()
     ours = {  # options aiocollect sets itself, and why
         "max_concurrency": "one thread collects, one takes weights",
-        "concurrency_groups": "one thread collects, one takes weights",
+        "concurrency_groups": "one thread collects, one takes weights, one applies env calls",
         "max_restarts": "aiocollect replaces dead actors itself: pass on_worker_failure='restart' (and max_restarts)",
         "max_task_retries": "a batch is never retried: its actor is replaced under on_worker_failure='restart'",
     }
@@ -235,16 +237,18 @@ _classes: dict[type, Any] = {}
 
 
 def actor_class(cls: type) -> Any:
-    """``cls`` as a Ray actor class with a ``"control"`` concurrency group (made once: Ray exports
-    each actor class it is given)."""
+    """``cls`` as a Ray actor class with the concurrency groups it names in ``GROUPS`` (made
+    once: Ray exports each actor class it is given)."""
     remote = _classes.get(cls)
     if remote is None:
-        remote = _classes[cls] = import_ray().remote(concurrency_groups={"control": 1})(cls)
+        remote = _classes[cls] = import_ray().remote(concurrency_groups=dict(cls.GROUPS))(cls)  # type: ignore[attr-defined]
     return remote
 
 
 class RayWorker(LoopSeat):
     """A worker seat whose rollout runs in a Ray actor (replaced by a new actor after a failure)."""
+
+    reaches_envs = True
 
     def __init__(self, index: int, options: dict, snapshots: _Snapshots) -> None:
         super().__init__(index)
@@ -265,6 +269,8 @@ class RayWorker(LoopSeat):
         self._beat: Any = None  # future of the watchdog's last question
         self._asked = 0.0  # when it was asked
         self._stuck: tuple[int, int, float] | None = None
+        self.calls: dict[int, CallWaiter] = {}  # env calls sent, by id, not answered yet
+        self.call_lost: BaseException | None = None  # an env call found the actor dead
 
     @property
     def pid(self) -> int | None:
@@ -344,6 +350,8 @@ class RayWorker(LoopSeat):
             self._watch(fut)
         while True:
             self.wakeup = anyio.Event()
+            if self.call_lost is not None:  # (an idle actor's death, seen by an env call)
+                return self._failure(self.call_lost)
             self._submit()
             while self.controls and self.controls[0].done():
                 try:
@@ -388,6 +396,44 @@ class RayWorker(LoopSeat):
             await anyio.to_thread.run_sync(copy)
         else:
             copy()
+
+    # -- env calls ------------------------------------------------------------------------------
+    async def env_call(self, call: Any) -> list:
+        """Hand ``call`` (an :class:`~aiocollect._core.wire.EnvCall`) to the actor; its results
+        once the actor applied it between two env steps (:meth:`RolloutActor.env_call
+        <aiocollect._backends.ray_actor.RolloutActor.env_call>`). An actor that dies first is
+        replaced (``on_worker_failure="restart"``) and its replacement gets the call; else this
+        raises the actor's error. What the env raised is raised as the worker's error."""
+        waiter = self.calls[call.id] = CallWaiter(call)
+        try:
+            self._send_call(waiter)
+            await waiter.done.wait()
+        finally:
+            self.calls.pop(call.id, None)
+        return waiter.results(self._task_error)
+
+    def _send_call(self, waiter: CallWaiter) -> None:
+        actor = self.actor
+        if actor is None or self.hung is not None:
+            return  # (being replaced: the replacement gets it once it is up)
+        fut = actor.env_call.options(concurrency_group="calls").remote(waiter.call).future()
+        caller = self.caller or _Caller()
+        fut.add_done_callback(lambda f: caller.soon(lambda: self._call_answered(waiter, f, actor)))
+
+    def _call_answered(self, waiter: CallWaiter, fut: Any, actor: Any) -> None:
+        try:
+            answer = fut.result()
+        except Exception as exc:  # noqa: BLE001 - the actor died: serve() reports it
+            if actor is self.actor and self.call_lost is None:
+                self.call_lost = exc
+                self._wake()
+            return
+        if answer is not None:  # (None: the actor was being stopped)
+            waiter.finish(answer)
+
+    def fail_calls(self, error: BaseException) -> None:
+        for waiter in list(self.calls.values()):
+            waiter.finish(error=error)
 
     # -- failures -------------------------------------------------------------------------------
     def _who(self) -> str:
@@ -454,6 +500,9 @@ class RayWorker(LoopSeat):
         self.credits_sent = self.completed
         self.free = deque(self.free_slots())
         self._setup_actor()
+        for waiter in list(self.calls.values()):  # calls the failed actor did not answer
+            if not waiter.done.is_set():
+                self._send_call(waiter)
 
     def _forget(self) -> None:
         """Drop what was asked of the actor that is gone (its slots are free again)."""
@@ -464,6 +513,7 @@ class RayWorker(LoopSeat):
         self.controls.clear()
         self._beat = None
         self._stuck = None
+        self.call_lost = None
 
     async def stop(self, timeout: float) -> None:
         """Halt the actor, let it close its envs (at most ``timeout`` seconds), then kill it."""
@@ -486,6 +536,9 @@ class RayWorker(LoopSeat):
                 self._free()
 
     def _free(self) -> None:
+        from .._core.errors import CollectorClosedError
+
+        self.fail_calls(CollectorClosedError(f"worker {self.index} was stopped before it applied the env call"))
         self.slots = None  # type: ignore[assignment]  # (the segment is unmapped once no view is left)
         self.stores = []
 

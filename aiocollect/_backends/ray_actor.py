@@ -2,11 +2,14 @@
 (:func:`~aiocollect._worker.vector.open_rollout`), in a Ray actor.
 
 Imported in Ray's worker processes; it does not import Ray (the collector's side,
-:mod:`aiocollect._backends.ray`, makes it an actor class). Two concurrency groups: the default one (one
-thread) runs :meth:`RolloutActor.run_batch` calls one after another, in the order the collector
+:mod:`aiocollect._backends.ray`, makes it an actor class). Three concurrency groups: the default one
+(one thread) runs :meth:`RolloutActor.run_batch` calls one after another, in the order the collector
 submits them; ``"control"`` (one thread of its own) takes new weights and answers the watchdog while
-a batch is being collected. Weights change only between batches: :attr:`RolloutActor.batch` is held
-for the length of a batch, and weights that arrive meanwhile wait for its end.
+a batch is being collected; ``"calls"`` (one thread) waits for the env calls it hands over
+(``Collector.call``, ``set_attr`` ...). Weights change only between batches: :attr:`RolloutActor.batch`
+is held for the length of a batch, and weights that arrive meanwhile wait for its end. Env calls
+are applied between two env steps: by the batch's own thread between its steps, or, between
+batches, by the ``"calls"`` thread holding :attr:`RolloutActor.batch`; never during a step.
 """
 
 from __future__ import annotations
@@ -22,11 +25,26 @@ import numpy as np
 from .._core import heartbeat as _heartbeat
 
 CONTROL = "control"  # the concurrency group of the methods that run beside a batch
+CALLS = "calls"  # the concurrency group of env calls (which wait for a step boundary)
+_CALL_POLL = 0.05  # seconds between an env call's tries to apply itself while no batch applies it
+
+
+class _Waiting:
+    """An env call handed over to the thread that steps the envs, and its answer."""
+
+    __slots__ = ("call", "done", "answer")
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.done = threading.Event()
+        self.answer: Any = None
 
 
 class RolloutActor:
     """One seat's envs and policy. Built from a cloudpickled
     :class:`~aiocollect._worker.rollout.RolloutConfig` (as a worker process is)."""
+
+    GROUPS = {CONTROL: 1, CALLS: 1}  # its concurrency groups (besides the default one)
 
     def __init__(self, config: bytes) -> None:
         import cloudpickle
@@ -50,6 +68,7 @@ class RolloutActor:
         self.views: dict | None = None
         self.halted = False
         self.thread: int | None = None  # the thread that runs batches (for its stack when hung)
+        self.calls: list[_Waiting] = []  # env calls handed over, not applied yet (guarded by mutex)
         beat = bytearray(_heartbeat.NBYTES)
         self.beat = beat
         self.monitor = _heartbeat.HeartbeatMonitor(beat, 0)
@@ -107,6 +126,41 @@ class RolloutActor:
         """Collect no more batches: ``run_batch`` calls still queued return at once."""
         self.halted = True
 
+    # -- the calls group ----------------------------------------------------------------------------
+    def env_call(self, call: Any) -> Any:
+        """Apply the :class:`~aiocollect._core.wire.EnvCall` ``call`` between two env steps;
+        returns its :class:`~aiocollect._core.wire.EnvCallDone` once applied (what the env raised
+        travels in it: the actor goes on). Handed to the batch in progress, which applies it
+        after its current step; between batches applied here, holding :attr:`batch`."""
+        waiting = _Waiting(call)
+        with self.mutex:
+            self.calls.append(waiting)
+        wait = 0.0
+        while not waiting.done.wait(wait):
+            if self.halted:  # (the collector stops the actor: nobody waits for the answer)
+                return None
+            if self.batch.acquire(blocking=False):
+                try:
+                    self._apply_calls()
+                finally:
+                    self.batch.release()
+            wait = _CALL_POLL
+        return waiting.answer
+
+    def _apply_calls(self) -> None:
+        """Apply the env calls handed over (``self.batch`` held: between two env steps)."""
+        from .._worker.env_calls import answer
+
+        with self.mutex:
+            calls, self.calls = self.calls, []
+        for waiting in calls:
+            waiting.answer = answer(self.rollout, waiting.call)
+            waiting.done.set()
+
+    def _between_steps(self) -> None:
+        if self.calls:  # (read without the lock: a call handed over meanwhile waits for the next step)
+            self._apply_calls()
+
     # -- the default group --------------------------------------------------------------------------
     def _apply(self) -> int | None:
         """Between batches (``self.batch`` held): take the stores and weights handed over."""
@@ -141,7 +195,8 @@ class RolloutActor:
             if (v := self._apply()) is not None:
                 applied.append(v)
             try:
-                self.rollout.run_batch(self.views, self.rollout.version)
+                self._between_steps()  # (env calls handed over since the last batch: before its first step)
+                self.rollout.run_batch(self.views, self.rollout.version, self._between_steps)
                 info = self.rollout.batch_info()
             except Exception as exc:  # noqa: BLE001 - reported to the collector
                 return _packed(exc)
@@ -174,7 +229,10 @@ class RolloutActor:
 class EvalActor:
     """The Evaluator's worker as a Ray actor: the same episodes loop as its worker process
     (:class:`~aiocollect._worker.eval_main.EvalWorker`), called instead of messaged. ``abort``,
-    ``stuck`` and ``stack`` run in the ``"control"`` group, beside an evaluation."""
+    ``stuck`` and ``stack`` run in the ``"control"`` group, beside an evaluation; env calls
+    (:meth:`env_call`) in the default group, between evaluations."""
+
+    GROUPS = {CONTROL: 1}
 
     def __init__(self) -> None:
         self.worker: Any = None
@@ -232,6 +290,13 @@ class EvalActor:
             self.current = None
         return ("result", rid, returns, lengths, video)
 
+    def env_call(self, call: Any) -> Any:
+        """Apply the :class:`~aiocollect._core.wire.EnvCall` ``call`` to the envs (between two
+        evaluations); its :class:`~aiocollect._core.wire.EnvCallDone`."""
+        from .._worker.env_calls import answer
+
+        return answer(self.worker.loop, call)
+
     def abort(self, rid: int) -> None:
         """Stop evaluation ``rid`` at its next step (or before it starts)."""
         self.aborted = rid
@@ -268,4 +333,4 @@ def _node_id() -> str:
         return ""
 
 
-__all__ = ["CONTROL", "EvalActor", "RolloutActor"]
+__all__ = ["CALLS", "CONTROL", "EvalActor", "RolloutActor"]

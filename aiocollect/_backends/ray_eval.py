@@ -125,6 +125,26 @@ class RayEvalWorker:
             return Aborted(answer[1])
         return Failed(answer[1], answer[2], answer[3])
 
+    async def env_call(self, call: Any) -> list:
+        """Apply the env call ``call`` (an :class:`~aiocollect._core.wire.EnvCall`) in the actor,
+        between evaluations; its results, one per env row. Raises what the env raised as the
+        worker's error (the actor goes on), and the actor's death if it comes first."""
+        if self.dead is not None:
+            raise self.dead
+        self.busy = True
+        try:
+            answer = await await_ref(self.actor.env_call.remote(call))
+        except Exception as exc:  # noqa: BLE001 - it died
+            self.dead = self._died(exc)
+            raise self.dead from None
+        finally:
+            self.busy = False
+        if answer.error is not None:
+            raise self._error(answer.result, answer.error)
+        import cloudpickle
+
+        return cloudpickle.loads(answer.result)
+
     def abort_nowait(self, rid: int) -> None:
         self.actor.abort.options(concurrency_group="control").remote(rid)
 

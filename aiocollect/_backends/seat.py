@@ -86,6 +86,10 @@ class EvalSeat(Seat, Protocol):
     async def evaluate(self, req: Any, weights: Any, episodes: int) -> Any:
         """Run evaluation ``req``; its answer (a :mod:`~aiocollect._core.eval_wire` message)."""
 
+    async def env_call(self, call: Any) -> list:
+        """Apply an :class:`~aiocollect._core.wire.EnvCall` to the worker's envs (between
+        evaluations); its results, one per env row (what the env raised, as the worker's error)."""
+
     def abort_nowait(self, rid: int) -> None:
         """Ask the worker to stop evaluation ``rid``."""
 

@@ -69,7 +69,7 @@ def _at_home_nowait(method: _VerbNowait) -> _VerbNowait:
     return cast(_VerbNowait, wrapper)
 
 
-class _CallWaiter:
+class CallWaiter:
     """An :class:`EnvCall` sent to a worker process, waiting for its answer (re-sent to a
     replacement if the worker fails first)."""
 
@@ -85,6 +85,19 @@ class _CallWaiter:
         if not self.done.is_set():
             self.answer, self.error = answer, error
             self.done.set()
+
+    def results(self, remote_error: Callable[[bytes, str], BaseException]) -> list:
+        """Once :attr:`done`: the call's results, one per row; or raise the worker's failure, or
+        what the env raised (``remote_error(exception, traceback)`` makes it)."""
+        if self.error is not None:
+            raise self.error
+        answer = self.answer
+        assert answer is not None
+        if answer.error is not None:
+            raise remote_error(answer.result, answer.error)
+        import cloudpickle
+
+        return cloudpickle.loads(answer.result)
 
 
 class _Slots:
@@ -112,6 +125,7 @@ class WorkerHandle(abc.ABC):
     # kinds of seat whose verbs the caller's loop reaches through it (_at_home)
     home: Any = None
     can_serve_off_loop = False
+    parked = False  # serve() waits for the worker's next report, with nothing half-done (safe to cancel)
     reaches_envs = False  # env_call() works (Collector.call, get_attr, set_attr ...)
 
     def __init__(self, index: int) -> None:
@@ -213,7 +227,7 @@ class ProcessWorker(WorkerHandle):
         self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
         self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
         self.own_store: Any = None
-        self.calls: dict[int, _CallWaiter] = {}  # env calls sent, by id, not answered yet
+        self.calls: dict[int, CallWaiter] = {}  # env calls sent, by id, not answered yet
 
     @property
     def pid(self) -> int | None:
@@ -283,7 +297,7 @@ class ProcessWorker(WorkerHandle):
         """Send ``call``; its results once the worker applied it between two env steps. A worker
         that fails first is replaced (``on_worker_failure="restart"``) and its replacement gets
         the call; else it raises the worker's error."""
-        waiter = self.calls[call.id] = _CallWaiter(call)
+        waiter = self.calls[call.id] = CallWaiter(call)
         try:
             if self.proc is not None:  # (else being replaced: the replacement gets it when it is up)
                 try:
@@ -293,15 +307,8 @@ class ProcessWorker(WorkerHandle):
             await waiter.done.wait()
         finally:
             self.calls.pop(call.id, None)
-        if waiter.error is not None:
-            raise waiter.error
-        answer = waiter.answer
-        assert answer is not None
-        if answer.error is not None:
-            raise unpacked_error(self.index, self.pid, answer.result, answer.error, f"worker {self.index} (pid {self.pid})")
-        import cloudpickle
-
-        return cloudpickle.loads(answer.result)
+        return waiter.results(
+            lambda exc, tb: unpacked_error(self.index, self.pid, exc, tb, f"worker {self.index} (pid {self.pid})"))
 
     def fail_calls(self, error: BaseException) -> None:
         for waiter in list(self.calls.values()):
@@ -311,10 +318,13 @@ class ProcessWorker(WorkerHandle):
         proc = self.proc
         assert proc is not None
         while True:
+            self.parked = True
             try:
-                msg = await proc.recv()
+                msg = await proc.recv()  # (cancelled, it loses nothing: what it read waits in its inbox)
             except Exception as exc:  # noqa: BLE001 - its end-of-file (BrokenWorkerError)
                 return self.hung or exc
+            finally:
+                self.parked = False
             match msg:
                 case Ready(slot, _, info):
                     self._completed(slot, info)
@@ -568,7 +578,11 @@ class LocalWorker(LoopSeat):
             while not (self.credits > 0 and self.free):
                 self.wakeup = anyio.Event()
                 await self._apply_weights(on_applied)
-                await self.wakeup.wait()
+                self.parked = True
+                try:
+                    await self.wakeup.wait()
+                finally:
+                    self.parked = False
             slot = self.free.popleft()
             self.credits -= 1
             rollout = self.rollout

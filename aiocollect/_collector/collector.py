@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Litera
 import anyio
 
 from . import env_calls as _env_calls
+from .._service.env_calls import not_torchrl_map_fn
 from . import resume as _resume
 from .._service.portal import Portal
 from .blocking import BlockingMixin
@@ -189,7 +190,7 @@ class Collector(Service, BlockingMixin):
         storing_device: Any = None,
         worker_groups: int = 1,
         env_batch_size: int | None = None,
-        server_priority: str = "normal",
+        server_priority: str = "auto",
         server_weights: str = "copy",
         compile_policy: bool | dict = False,
         cudagraph_policy: bool | dict = False,
@@ -205,8 +206,13 @@ class Collector(Service, BlockingMixin):
         run.shared.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
         self._portal = portal = Portal(run)
         self._in_with = False
-        # the run's tasks never refer to this object: when it is forgotten, this stops the run
+        # the run's tasks never refer to this object: when it is forgotten, this stops the run.
+        # Once the run is closed (on every path: aclose(), a refused start ...) there is nothing to
+        # stop, and the finalizer registry, a global, must not keep the run alive: its error's
+        # traceback refers to the frames that started it, and through them to the caller's
+        # batches (whose memory, lent slots, would stay mapped)
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
+        run.shared.on_closed = self._finalizer.detach
         _register_iterable_dataset(type(self))
         # let the backend prepare (the launcher import what the workers need) while the caller does other things
         run.shared.backend.warm_up(_needs(self.config))
@@ -356,21 +362,21 @@ class Collector(Service, BlockingMixin):
         Examples:
             >>> await collector.call("set_level", 3)   # doctest: +SKIP
         """
-        return self._awaitable_or_blocking("call()", lambda: _env_calls.reach(
-            self._run, "call()", "call", name, args, kwargs, indices=indices, workers=workers, persist=persist))
+        return self._awaitable_or_blocking("call()", lambda: self._reach(
+            "call()", "call", name, args, kwargs, indices=indices, workers=workers, persist=persist))
 
     def get_attr(self, name: str, indices: Any = None, *, workers: Any = None) -> Any:
         """The attribute ``name`` of every env (looked up through gymnasium's wrappers, as
         gymnasium's vector envs do), one per env row in row order (``indices``, ``workers``: as
         :meth:`call`). A read: it starts no env epoch."""
-        return self._awaitable_or_blocking("get_attr()", lambda: _env_calls.reach(
-            self._run, "get_attr()", "get", name, indices=indices, workers=workers))
+        return self._awaitable_or_blocking("get_attr()", lambda: self._reach(
+            "get_attr()", "get", name, indices=indices, workers=workers))
 
     def set_attr(self, name: str, values: Any, indices: Any = None, *, workers: Any = None) -> Any:
         """Set the attribute ``name`` of every env (through gymnasium's wrappers: the wrapper or
         env that has it): to ``values`` itself, or, for a list or tuple, to one value per env
         row (gymnasium's ``VectorEnv.set_attr``). Kept for the run: a worker replaced after a
-        failure sets it on its new envs before its first batch. Returns the env epoch it starts
+        failure sets it on its new envs before its first batch. Returns the env epoch it started
         (see :attr:`env_epoch`).
 
         Examples:
@@ -378,8 +384,8 @@ class Collector(Service, BlockingMixin):
             >>> # every frame with batch["collector", "env_epoch"] >= epoch stepped with it
         """
         async def set_it() -> int:
-            await _env_calls.reach(self._run, "set_attr()", "set", name, indices=indices, workers=workers, value=values)
-            return self.env_epoch
+            return (await _env_calls.reach(
+                self._run, "set_attr()", "set", name, indices=indices, workers=workers, value=values))[1]
         return self._awaitable_or_blocking("set_attr()", set_it)
 
     def map_fn(self, fn: Callable[..., Any], *args: Any, indices: Any = None, workers: Any = None,
@@ -387,24 +393,30 @@ class Collector(Service, BlockingMixin):
         """Call ``fn(env, *args, **kwargs)`` on every env in its worker (``fn`` travels with
         cloudpickle, as env factories do: a lambda works); its results, one per env row
         (``indices``, ``workers``, ``persist``: as :meth:`call`). A vector env's sub-envs are
-        reached where it keeps them in its process (``SyncVectorEnv``)."""
-        return self._awaitable_or_blocking("map_fn()", lambda: _env_calls.reach(
-            self._run, "map_fn()", "fn", "", (fn, *args), kwargs, indices=indices, workers=workers, persist=persist))
+        reached where it keeps them in its process (``SyncVectorEnv``). Not TorchRL's
+        ``map_fn(method_name, list_of_args)`` (a method of each worker, one call per worker): a
+        name raises a :class:`ConfigError` that shows the :meth:`call` to make instead."""
+        not_torchrl_map_fn("map_fn()", fn)
+        return self._awaitable_or_blocking("map_fn()", lambda: self._reach(
+            "map_fn()", "fn", "", (fn, *args), kwargs, indices=indices, workers=workers, persist=persist))
 
     def getattr_env(self, attr: str) -> Any:
         """TorchRL's name: the attribute ``attr`` of the first env (env row 0); see :meth:`get_attr`
         for every env."""
         async def first() -> Any:
-            return (await _env_calls.reach(self._run, "getattr_env()", "get", attr, indices=[0]))[0]
+            return (await self._reach("getattr_env()", "get", attr, indices=[0]))[0]
         return self._awaitable_or_blocking("getattr_env()", first)
 
     def getattr_policy(self, attr: str) -> Any:
-        """TorchRL's name: the attribute ``attr`` of the policy replica in worker 0 (the one it
-        acts with, weights as last applied). Not with ``inference="server"``, whose policy is
-        in this process."""
+        """TorchRL's name: the attribute ``attr`` of the policy that acts, weights as last
+        applied: worker 0's replica, or with ``inference="server"`` the inference server's own
+        copy (in this process: the object itself, not a copy, read between two forward passes)."""
         async def first() -> Any:
-            return (await _env_calls.reach(self._run, "getattr_policy()", "policy", attr))[0]
+            return (await self._reach("getattr_policy()", "policy", attr))[0]
         return self._awaitable_or_blocking("getattr_policy()", first)
+
+    async def _reach(self, *args: Any, **kwargs: Any) -> list:
+        return (await _env_calls.reach(self._run, *args, **kwargs))[0]
 
     # -- profiling and stats ---------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
@@ -549,14 +561,7 @@ class Collector(Service, BlockingMixin):
         """Stop the workers (each gets ``shutdown_timeout`` seconds to close its envs, then is
         killed), free the shared memory and close the stream. Idempotent; shielded from
         cancellation. Raises an error of the workers that no consumer has seen yet."""
-        try:
-            await self._run.aclose()
-        finally:
-            if self._run.state is CollectorState.CLOSED:
-                # nothing left for the finalizer to stop; and the finalizer registry, a global,
-                # must not keep the run alive: its error's traceback may refer to this collector
-                # and to a batch (whose memory, a lent slot, would stay mapped)
-                self._finalizer.detach()
+        await self._run.aclose()  # (closed, the run lets go of the finalizer: RunState.on_closed)
 
     # -- consuming --------------------------------------------------------------------------------
     async def collect(self) -> "TensorDict":

@@ -50,7 +50,7 @@ MODE_OPTIONS: tuple[Needs, ...] = (
           "use inference='server' (with worker inference each worker acts for all its envs)"),
     Needs("env_batch_size", None, *_SERVER, "sizes the inference server's forward passes",
           "use inference='server' (worker inference runs one pass per worker over its own envs)"),
-    Needs("server_priority", "normal", *_SERVER, "is the priority of the inference server's thread",
+    Needs("server_priority", "auto", *_SERVER, "is the priority of the inference server's thread",
           "use inference='server' (with worker inference there is no server)"),
     Needs("server_weights", "copy", *_SERVER, "chooses what the inference server's forward passes run",
           "use inference='server' (worker inference runs a copy of the policy in each worker)"),
@@ -272,14 +272,20 @@ class CollectorConfig:
     (whole workers' envs; or until every other worker is between batches), instead of serving
     whoever waits at once (``None``). Larger passes for a GPU, without a slow worker stalling the
     others for longer than it takes ``env_batch_size`` envs to be ready."""
-    server_priority: Literal["normal", "idle"] = "normal"
-    """``inference="server"``: the scheduling priority of the server's thread. ``"idle"`` runs it
-    under Linux's ``SCHED_IDLE``: it gives way at once to any other thread that wants its core, so a
-    forward pass never delays the event loop's wakeups (see ``docs/inference.md``). Its cost: on a
-    machine busy with other work (your training on the CPU in another thread, other processes), the
-    server only gets the CPU left over, and collection all but stops; a warning on the
-    ``aiocollect`` logger says so when the server's thread waits for a CPU more than 60% of the
-    time. For a spare CPU or a GPU trainer, not for training on the same CPUs."""
+    server_priority: Literal["auto", "normal", "idle"] = "auto"
+    """``inference="server"``: the scheduling priority of the server's thread. ``"auto"`` (the
+    default) decides from the CPUs this process may use: with fewer than the busy threads (the
+    workers, your event loop and the server's thread: 2 workers on 2 cores), the server's thread
+    runs as with ``"idle"`` and the workers are kept off one CPU (unless ``worker_cpus`` places
+    them): your loop's wake-ups then wait neither for forward passes nor for env steps, and on a
+    machine with nothing else to do collection is as fast (see the benchmarks page); should that
+    thread wait for a CPU more than 60% of the time (training on the CPU beside it, other
+    programs), it goes back to normal priority by itself, so collection never stalls as it can
+    under ``"idle"``; with enough CPUs, ``"normal"``. ``"normal"``: the kernel's usual
+    share. ``"idle"`` runs it under Linux's ``SCHED_IDLE``: it gives way at once to any other
+    thread that wants its core (see ``docs/inference.md``); on a machine busy with other work it
+    only gets the CPU left over, and collection all but stops (a warning on the ``aiocollect``
+    logger says so)."""
     server_weights: Literal["copy", "shared"] = "copy"
     """``inference="server"``: what the server's forward passes run. ``"copy"`` (the default): a
     copy of the policy's weights of its own, on ``policy_device``; your module stays where and what
@@ -317,10 +323,11 @@ class CollectorConfig:
     it makes its envs and kept by a replacement): ``None`` leaves them to the kernel; a set of CPU
     numbers is for every worker (``range(1, 4)``: the kernel spreads them over CPUs 1 to 3); a
     list of one set per worker places each (``[[1], [2]]``). Each CPU must be one this process may
-    run on (``os.sched_getaffinity(0)``). With ``inference="server"`` and
-    ``server_priority="idle"`` on a machine with fewer cores than busy threads, keeping the
-    workers off one core (``sorted(os.sched_getaffinity(0))[1:]``) leaves it to the event loop and
-    the server's thread (see ``docs/inference.md``). ``backend="process"`` only."""
+    run on (``os.sched_getaffinity(0)``). ``None`` under ``inference="server"`` with
+    ``server_priority="auto"`` on a machine with fewer cores than busy threads keeps the workers
+    off this process's first CPU (``sorted(os.sched_getaffinity(0))[1:]``), left to the event loop
+    and the server's thread (see ``docs/inference.md``); pass ``os.sched_getaffinity(0)`` to let
+    them run anywhere. ``backend="process"`` only."""
 
     categorical_action_encoding: bool = True
     """How a Discrete action is stored: ``True``, its index (``[]`` int64); ``False``, one-hot
@@ -458,7 +465,7 @@ class CollectorConfig:
         check_choice("inference", self.inference, ("worker", "server"))
         check_choice("traj_format", self.traj_format, ("pad", "padded", "cat"), "'pad' (or TorchRL's 'padded') or 'cat'")
         check_choice("on_worker_failure", self.on_worker_failure, ("raise", "restart"))
-        check_choice("server_priority", self.server_priority, ("normal", "idle"))
+        check_choice("server_priority", self.server_priority, ("auto", "normal", "idle"))
         check_choice("server_weights", self.server_weights, ("copy", "shared"))
 
     def _check_backend_name(self) -> None:

@@ -57,13 +57,18 @@ class StarvationWatch:
     each wake-up of the thread: when, over a window of :attr:`WINDOW` seconds, it spent more than
     :attr:`SHARE` of the time runnable but waiting for a CPU (its ``run_delay`` in
     ``/proc/thread-self/schedstat``; 25-40% while serving 2 or 4 workers on 2 cores, 70-97% beside
-    a busy trainer thread), say so once on the ``aiocollect`` logger, with the way out."""
+    a busy trainer thread), say so once on the ``aiocollect`` logger, with the way out.
+
+    ``server_priority="auto"`` (``fall_back``): then the thread goes back to normal priority
+    (``SCHED_OTHER``) for the rest of the run instead, and says so at the ``INFO`` level: the
+    default never lets collection stall."""
 
     WINDOW = 3.0
     SHARE = 0.6
 
-    def __init__(self, server: "InferenceServer") -> None:
+    def __init__(self, server: "InferenceServer", fall_back: bool = False) -> None:
         self.server = server
+        self.fall_back = fall_back
         try:  # (closed once it has warned: it warns once)
             self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:  # pragma: no cover - no schedstat (a kernel without it): nothing to watch
@@ -81,6 +86,15 @@ class StarvationWatch:
             return
         waited, passes = self._waited(), self.server.forward_passes
         share = (waited - self.wait0) / (now - self.t0)
+        if share > self.SHARE and self.fall_back:
+            self.close()
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            log.info(
+                "aiocollect: the inference server's thread (server_priority='auto': SCHED_IDLE) waited for a CPU %.0f%% "
+                "of the last %.0f s; it runs at normal priority from now on, so that collection is not held back by "
+                "this machine's busy cores", share * 100, now - self.t0,
+            )
+            return
         if share > self.SHARE:
             self.close()
             log.warning(
@@ -171,7 +185,7 @@ class InferenceServer:
         self._stop_fd = -1
         self.failed_fd = -1  # readable once the policy failed (the run's task waits on it)
         self._thread: threading.Thread | None = None
-        self.priority = priority  # "idle": the thread runs under SCHED_IDLE
+        self.priority = priority  # "idle": the thread runs under SCHED_IDLE; "auto": so, until it starves
         self._poller: Any = None
         self.in_loop = False
 
@@ -314,9 +328,9 @@ class InferenceServer:
         import torch
 
         watch = None
-        if self.priority == "idle":  # (this thread only: Linux schedules threads one by one)
+        if self.priority in ("idle", "auto"):  # (this thread only: Linux schedules threads one by one)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            watch = StarvationWatch(self)
+            watch = StarvationWatch(self, fall_back=self.priority == "auto")
         try:
             with torch.no_grad():
                 while self._serve_ready(timeout=-1):
@@ -450,6 +464,13 @@ class InferenceServer:
                 done.record(self.stream)
                 caller.wait_event(done)
             self.version = version
+
+    def policy_attr(self, name: str) -> Any:
+        """``getattr_policy``: the attribute ``name`` of the server's own policy (the one that
+        acts), read under the lock of forward passes and weight loads (never half-loaded weights);
+        the object itself, not a copy. Raises its ``AttributeError``."""
+        with self.lock:
+            return getattr(self.policy, name)
 
     # -- the end --------------------------------------------------------------------------------
     def stop(self) -> None:

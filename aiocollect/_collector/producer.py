@@ -111,6 +111,12 @@ class Producer:
         self.produced = 0  # batches sent into the stream (what demand counts)
         self.first_version: int | None = None  # frames_per_update: the weight version at the start
         self.throttled = False  # frames_per_update holds the workers until the next update_weights()
+        # where the loop stands, kept here (not in locals) so that a produce() cancelled while
+        # parked resumes where it was: background collection moves it off the caller's loop
+        self.remaining: int | None = None  # rounds to collect in all
+        self.first_index = 0  # the index of the first batch this run delivers
+        self.trajs: Any = None  # trajs_per_batch: the episodes of rounds not delivered yet
+        self.parked = False  # waiting on wakeup alone, with nothing half-done (safe to cancel)
 
     def wake(self, worker: "WorkerHandle | None" = None) -> None:
         if worker is not None:
@@ -182,11 +188,15 @@ class Producer:
                 return
             if run.errors.pending is not None and not self._deliverable():
                 raise run.errors.pending
-            if self.throttled:  # nothing tells this task of an update_weights(): look again soon
-                with anyio.move_on_after(_THROTTLED_POLL):
+            self.parked = True
+            try:
+                if self.throttled:  # nothing tells this task of an update_weights(): look again soon
+                    with anyio.move_on_after(_THROTTLED_POLL):
+                        await self.wakeup.wait()
+                else:
                     await self.wakeup.wait()
-            else:
-                await self.wakeup.wait()
+            finally:
+                self.parked = False
 
     # -- the loop -------------------------------------------------------------------------------
     async def produce(self) -> None:
@@ -202,18 +212,19 @@ class Producer:
         run = self.run
         c = run.config
         total = c.total_batches
-        remaining = _ENDLESS if total is None else total - run.counts.batches
         workers = run.workers
         sync = c.delivery == "sync"
-        trajs = None
-        if c.trajs_per_batch is not None:
-            from .trajs import TrajectoryAccumulator
+        if self.remaining is None:  # (the first call; a later one resumes)
+            self.remaining = _ENDLESS if total is None else total - run.counts.batches
+            self.first_index = run.counts.batches
+            if c.trajs_per_batch is not None:
+                from .trajs import TrajectoryAccumulator
 
-            remaining = _ENDLESS if total is None else total - run.counts.collected // c.frames_per_batch
-            trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
+                self.remaining = _ENDLESS if total is None else total - run.counts.collected // c.frames_per_batch
+                self.trajs = TrajectoryAccumulator(c.trajs_per_batch, c.traj_format)
         if c.split_trajs:
             from .split import split_trajectories
-        first_index = run.counts.batches
+        remaining, first_index, trajs = self.remaining, self.first_index, self.trajs
         while self.rounds < remaining:
             if run.errors.pending is not None and not self._deliverable():
                 raise run.errors.pending

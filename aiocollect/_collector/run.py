@@ -17,7 +17,7 @@ import inspect
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, AsyncContextManager, Mapping
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Mapping
 
 import anyio
 import anyio.lowlevel
@@ -65,6 +65,9 @@ class Run:
         self.lease: Lease | None = None  # zero_copy: the slots of the batch the consumer has
         self.consumers_waiting = 0  # the user's collect() calls waiting for a batch
         self.tasks: Any = None  # the task group of the running run's tasks (a sink attached late joins it)
+        # the data plane on the caller's loop, which a sink attached late moves to the collector's loop
+        self.plane_scope: anyio.CancelScope | None = None
+        self.moved: anyio.Event | None = None  # set once it runs there (or the run ended)
         # causes that outlive the phases they ended
         self.loop_gone = False  # the event loop that ran it ended under it
         self.abandoned = False  # its Collector was garbage-collected
@@ -141,6 +144,8 @@ class Run:
         if s.phase is Phase.CREATED:
             self._begin()
         await self.started.wait()
+        if sink is not None and self.moved is not None:
+            await self.moved.wait()  # (a caller that trains right after without awaiting gets batches)
         if s.phase is Phase.LAUNCH_FAILED:
             # nothing was started that could be used: the collector is closed, its error raised once
             if self.closed_by is None:
@@ -183,7 +188,12 @@ class Run:
                 f"`async with Collector(...) as c: await c.start(replay_buffer=rb)`, or create a new Collector"
             )
         s.sink = sink
-        if s.phase is Phase.RUNNING:  # its tasks run already (else _start_tasks starts the drain)
+        if s.phase is not Phase.RUNNING:  # (else _start_tasks starts the drain)
+            return
+        if self.plane_scope is not None:  # the data plane moves to the collector's loop, the drain with it
+            self.moved = anyio.Event()
+            self.tasks.start_soon(self._move_off_loop)
+        else:  # (a backend whose seats only the caller's loop serves: the drain runs there too)
             self.tasks.start_soon(self._drain_into_sink)
 
     def _begin(self) -> None:
@@ -535,13 +545,18 @@ class Run:
             return
         s.move_to(Phase.RUNNING)
         self.tasks = tg
-        if s.sink is not None and all(w.can_serve_off_loop for w in s.workers):
+        movable = all(w.can_serve_off_loop for w in s.workers)
+        if s.sink is not None and movable:
             # start() returns once the collector's thread runs: a caller that trains right after
             # it without awaiting gets batches (the run's task ends setting started, whatever happens)
-            tg.start_soon(self._collect_off_loop, tg)
+            tg.start_soon(self._collect_off_loop, tg, self.started.set)
             return
         self.started.set()
-        self._start_data_plane(tg)
+        if movable:  # on the caller's loop until a sink attached late moves it (start(replay_buffer=...))
+            self.plane_scope = anyio.CancelScope()
+            tg.start_soon(self._plane_on_loop, tg, self.plane_scope)
+        else:
+            self._start_data_plane(tg)
 
     def _start_data_plane(self, tg: Any) -> None:
         """The tasks that take the workers' batches to the consumers or the sink."""
@@ -556,11 +571,40 @@ class Run:
         if s.server is not None:
             tg.start_soon(s.server.watch)
 
-    async def _collect_off_loop(self, tg: Any) -> None:
+    async def _plane_on_loop(self, tg: Any, scope: anyio.CancelScope) -> None:
+        """The data plane on the caller's loop, in ``scope``: a sink attached to the running
+        collector (:meth:`_move_off_loop`) cancels the scope once every task of the plane is parked
+        (waiting, with nothing half-done), then runs the plane in the collector's own loop."""
+        try:
+            with scope:
+                async with anyio.create_task_group() as plane:
+                    self._start_data_plane(plane)
+        finally:
+            self.plane_scope = None
+        if scope.cancelled_caught:  # moved: on to the collector's loop
+            moved = self.moved
+            assert moved is not None
+            await self._collect_off_loop(tg, moved.set)
+
+    async def _move_off_loop(self) -> None:
+        """Move the data plane to the collector's loop, at a moment when cancelling it loses
+        nothing: the producer, every worker's reader and every env call parked (they park within
+        a round: the producer once its ``prefetch`` batches are collected)."""
+        s = self.shared
+        scope = self.plane_scope
+        while scope is not None and self.plane_scope is scope and not scope.cancel_called:
+            producer = s.producer
+            if (producer is not None and producer.parked and all(w.parked for w in s.workers)
+                    and not any(getattr(w, "calls", None) for w in s.workers)):
+                scope.cancel()  # (no await since the check: every task is still where it was seen)
+                return
+            await anyio.sleep(0.001)
+
+    async def _collect_off_loop(self, tg: Any, on_ready: Callable[[], Any]) -> None:
         """Background collection: the data plane runs in the collector's own loop (a thread,
         :mod:`~aiocollect._collector.offloop`), so that batches reach the sink while the caller's
         thread trains without awaiting. Ends (the thread joined) when the run's task group is
-        cancelled; the data plane's error is raised here."""
+        cancelled; the data plane's error is raised here. ``on_ready()`` once the thread runs it."""
         s = self.shared
         home = CollectorLoop(self.loop, tg)
 
@@ -572,7 +616,7 @@ class Run:
         for w in s.workers:
             w.home = home
         try:
-            await home.run(data_plane, s.config.shutdown_timeout, self.started.set)
+            await home.run(data_plane, s.config.shutdown_timeout, on_ready)
         finally:
             s.home = None
             for w in s.workers:
@@ -606,6 +650,8 @@ class Run:
             s.move_to(_STOPPED_FROM.get(s.phase, Phase.STOPPED) if not launch_failed else Phase.LAUNCH_FAILED)
         s.sync.notify()
         self.started.set()
+        if self.moved is not None:
+            self.moved.set()
         self.done.set()
 
 

@@ -225,6 +225,10 @@ class RunState:
         # background collection: the collector's own loop (a thread) that runs the data plane
         self.home: CollectorLoop | None = None
         self._moving = threading.RLock()  # (the phase moves on the caller's loop and in that thread)
+        # called once, on entering CLOSED, whatever closed the run (aclose(), a refused or failed
+        # start, a finalizer): its owner lets go there of what would keep the run alive (the
+        # Collector's finalizer, registered in a global registry)
+        self.on_closed: Callable[[], Any] | None = None
         self.bar: Any = None  # progress bar
 
     # -- the phase ------------------------------------------------------------------------------
@@ -238,6 +242,9 @@ class RunState:
             if phase not in TRANSITIONS[self.phase]:
                 raise _PhaseError(f"a collector's run cannot go from {self.phase.name} to {phase.name}")
             self.phase = phase
+        if phase is Phase.CLOSED and self.on_closed is not None:
+            on_closed, self.on_closed = self.on_closed, None
+            on_closed()
 
     @property
     def collecting(self) -> bool:
@@ -327,6 +334,15 @@ class RunState:
         if self.errors.pending is None:
             self.errors.pending = error
         self.wake()
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .._service.supervisor import SupervisedRun, SupervisedWorker
+
+    def _supervised(run: RunState, worker: WorkerHandle) -> tuple[SupervisedRun, SupervisedWorker]:
+        """(For mypy: the run's state and its seats are what the supervisor and the watchdog
+        drive, whose tasks are started untyped.)"""
+        return run, worker
 
 
 __all__ = ["CollectorState", "Counters", "Phase", "_PhaseError", "RunState", "State", "TRANSITIONS"]

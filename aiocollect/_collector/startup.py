@@ -6,7 +6,6 @@ share (:class:`~aiocollect._collector.run_state.RunState`)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,8 @@ import anyio
 
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
+from .._core.affinity import crowded, spare_one_cpu
+from .._core.quick_import import import_module
 from .._core.errors import AiocollectError, SpecError
 from .._core.layout import SlotLayout, frame_leaves
 from .._worker.policy import PolicySpec, describe
@@ -30,10 +31,11 @@ if TYPE_CHECKING:
 
 async def import_in_thread(module: str, give_up_after: float | None = None) -> None:
     """Import ``module`` in a thread of its own that ends with the import, while the event loop
-    keeps running. For tensordict's import (seconds: it imports torch._dynamo) while the workers
-    start; torch's import code still holds the GIL for up to ~0.1 s at times. Cancelled, it
-    waits ``give_up_after`` seconds more for the import, then leaves it to finish in its thread."""
-    await in_own_thread(lambda: importlib.import_module(module), f"aiocollect import {module}", give_up_after=give_up_after)
+    keeps running. For tensordict's import while the workers start (without torch._dynamo:
+    :mod:`~aiocollect._core.quick_import`); torch's import code still holds the GIL for up to
+    ~0.1 s at times. Cancelled, it waits ``give_up_after`` seconds more for the import, then
+    leaves it to finish in its thread."""
+    await in_own_thread(lambda: import_module(module), f"aiocollect import {module}", give_up_after=give_up_after)
 
 
 def _free_unlent_slots(run: "RunState") -> None:
@@ -133,7 +135,7 @@ async def start_server(run: "RunState", spec: dict) -> list:
     groups = c.worker_groups
     server = InferenceServer(policy, spec, len(run.workers) * groups, run.rows_per_worker // groups, c.exploration_type,
                              c.devices["policy_device"], c.compile_policy, c.cudagraph_policy, c.env_batch_size,
-                             c.server_priority, c.state_leaves, c.server_weights, out_keys=c.policy_out_keys)
+                             server_priority(c), c.state_leaves, c.server_weights, out_keys=c.policy_out_keys)
     run.server = server
     run.sync.serve(server)
     extras = server.probe()
@@ -143,6 +145,27 @@ async def start_server(run: "RunState", spec: dict) -> list:
     for w in run.workers:
         w.server_link = server.link(w.index, groups)  # type: ignore[attr-defined]
     return extras
+
+
+def server_priority(c: Any) -> str:
+    """The server thread's priority: ``server_priority="auto"`` is ``"auto"`` (``SCHED_IDLE``,
+    back to normal if it starves: :class:`~aiocollect._collector.inference_server.StarvationWatch`)
+    where this process has fewer CPUs than busy threads (:func:`~aiocollect._core.affinity.crowded`)
+    and Linux's ``SCHED_IDLE`` exists, ``"normal"`` elsewhere."""
+    if c.server_priority != "auto":
+        return str(c.server_priority)
+    return "auto" if hasattr(os, "SCHED_IDLE") and crowded(c.workers) else "normal"
+
+
+def worker_cpus(c: Any, worker: int) -> tuple[int, ...] | None:
+    """``worker``'s CPUs: ``worker_cpus``'s; or, not given, under ``inference="server"`` with
+    ``server_priority="auto"`` on a crowded machine, every CPU of this process but its first
+    (:func:`~aiocollect._core.affinity.spare_one_cpu`; a worker process applies them, the local
+    backend's rollout in this process does not)."""
+    cpus = c.cpus_for(worker)
+    if cpus is None and c.inference == "server" and server_priority(c) == "auto":
+        return spare_one_cpu(c.workers)
+    return cpus
 
 
 def worker_policy_specs(run: "RunState") -> list[PolicySpec]:
@@ -202,7 +225,7 @@ def rollout_configs(run: "RunState", policy_specs: list[PolicySpec]) -> list[Rol
             check_finite=c.check_finite,
             action_bounds=c.action_bounds,
             worker_groups=c.worker_groups,
-            cpus=c.cpus_for(i),
+            cpus=worker_cpus(c, i),
             one_hot_actions=not c.categorical_action_encoding,
             decorrelation_steps=c.max_decorrelation_steps,
         )

@@ -3,6 +3,10 @@
 Linux's CPU affinity (``sched_setaffinity``), set by the worker itself before it makes its envs,
 so that every thread and process it starts afterwards (torch's pool, a vector env's
 subprocesses) inherits it; a replacement worker gets the same CPUs.
+
+Also what ``server_priority="auto"`` decides from (:func:`crowded`, :func:`spare_one_cpu`): a
+machine with fewer CPUs than busy threads gets the server's thread under ``SCHED_IDLE`` and the
+workers kept off one CPU, left to the collector's process.
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ def normalize_cpu_set(value: Any, argument: str) -> tuple[int, ...] | None:
     return None if cpus is None else cpus[0]
 
 
+def crowded(workers: int) -> bool:
+    """Fewer CPUs for this process than busy threads while serving: the ``workers``, the event
+    loop's thread and the inference server's."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus < workers + 2
+
+
+def spare_one_cpu(workers: int) -> tuple[int, ...] | None:
+    """The CPUs that keep ``workers`` worker processes off this process's first CPU, when it is
+    :func:`crowded` and has two CPUs or more (``None`` otherwise: the kernel places them)."""
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - Linux has it
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or not crowded(workers):
+        return None
+    return tuple(cpus[1:])
+
+
 def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
     """In a worker: run this process (and what it starts later) on ``cpus`` only."""
     if cpus is None:
@@ -106,4 +128,4 @@ def apply_cpus(cpus: tuple[int, ...] | None, who: str) -> None:
         ) from exc
 
 
-__all__ = ["Cpus", "apply_cpus", "cpu_list", "normalize_cpu_set", "normalize_cpus"]
+__all__ = ["Cpus", "apply_cpus", "cpu_list", "crowded", "normalize_cpu_set", "normalize_cpus", "spare_one_cpu"]

@@ -11,6 +11,8 @@ in the :class:`Evaluate` message as a CPU state dict. Protocol (``P`` parent, ``
     P: Evaluate(id, weights, episodes, step)  weights: None or (kind, {name: tensor})
     W: Result(id, returns, lengths, video)  or Failed(id, exception, traceback)
     P: Abort(id)                         the caller gave up: W answers Aborted(id)
+    P: EnvCall(id, kind, name, payload, rows, epoch)   between evaluations (Evaluator.call,
+                                         set_attr ...): W answers EnvCallDone(id, result, error)
     W: Error(exception, traceback)       at any time: a fatal error, the worker exits
     P: end-of-file (shutdown(SHUT_WR))   close the envs and exit
 
@@ -18,7 +20,8 @@ in the :class:`Evaluate` message as a CPU state dict. Protocol (``P`` parent, ``
 (every child process, and the launcher for a failed fork, sends them; re-exported here):
 :class:`aiocollect._backends.child.ChildProcess` reads them. An :class:`Abort` that arrives after its
 evaluation finished is ignored. A :class:`Failed` evaluation leaves the worker usable; an
-:class:`~aiocollect._core.wire.Error` ends it.
+:class:`~aiocollect._core.wire.Error` ends it. ``EnvCall`` and ``EnvCallDone`` are the rollout
+wire's too (:mod:`aiocollect._core.wire`).
 
 Imported by worker processes: standard library only.
 """

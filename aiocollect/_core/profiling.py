@@ -10,13 +10,13 @@ import dataclasses
 import os
 import string
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .errors import ConfigError
 from .public import public
 
 if TYPE_CHECKING:
-    from .._collector.run_state import RunState
+    from ..events import Event
 
 ACTIVITIES = ("cpu", "cuda")
 
@@ -175,11 +175,66 @@ class Recorder:
             prof.__exit__(None, None, None)
 
 
+class ProfiledWorker(Protocol):
+    """A worker seat, as the profiler drives it (the collector's seats:
+    :class:`~aiocollect._backends.workers.WorkerHandle`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def traces(self) -> list[str]:
+        """The trace files it wrote and nobody announced yet (taken from the front)."""
+        ...
+
+    def profile(self, settings: dict[str, Any], path: str) -> None:
+        """Profile its next rollouts (``settings``: :meth:`ProfileConfig.for_worker`) into ``path``."""
+
+    def profile_off(self) -> None:
+        """Drop a recording in progress."""
+
+
+class _ProfiledConfig(Protocol):
+    @property
+    def workers(self) -> int:
+        """Worker seats (1 for ``num_workers=0``: the collector's process)."""
+        ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+
+class _Rounds(Protocol):
+    @property
+    def rounds(self) -> int:
+        """Worker batches collected so far."""
+        ...
+
+
+class ProfiledRun(Protocol):
+    """A collector's run, as its profiling reads it (the collector's:
+    :class:`~aiocollect._collector.run_state.RunState`)."""
+
+    @property
+    def config(self) -> _ProfiledConfig: ...
+
+    @property
+    def workers(self) -> Sequence[ProfiledWorker]: ...
+
+    @property
+    def producer(self) -> _Rounds | None:
+        """What counts the run's rounds, once it started."""
+        ...
+
+    async def emit_event(self, event: Event) -> None:
+        """Emit ``event`` to the run's handlers and subscriptions."""
+
+
 class RunProfiling:
     """A run's profiling: which workers record their next rollouts, the collector process's own
     recorder, and the traces they announce (:class:`~aiocollect.events.ProfileTraceReady`)."""
 
-    def __init__(self, run: "RunState", config: ProfileConfig | None) -> None:
+    def __init__(self, run: ProfiledRun, config: ProfileConfig | None) -> None:
         self.run = run
         self.config = config
         self.recorder: Recorder | None = None  # the collector process's, when profile_collector

@@ -17,6 +17,7 @@ import numpy as np
 from .._core.errors import ConfigError, EvaluatorBusyError, EvaluatorClosedError
 from .config import EvaluatorConfig, EvaluatorState, check_request, weights_payload, worker_setup
 from .run import EvalRun, in_event_loop
+from .._service.env_calls import not_torchrl_map_fn, rows_named, values_for
 from .._service.front import Service, warn_unclosed
 from .._service.options import known_keywords
 from .._core.public import public
@@ -94,6 +95,16 @@ class Evaluator(Service):
     raised like a background evaluation's error), and the next evaluation starts a new worker. An exception of the env or
     the policy is *not* a worker failure (the worker reports it and stays usable): it fails its
     evaluation under either setting, as a rerun would raise it again.
+
+    **Reaching into the envs.** :meth:`call`, :meth:`get_attr`, :meth:`set_attr`, :meth:`map_fn`
+    and :meth:`getattr_env` reach the worker's envs as the collector's methods of the same names
+    do (one result per env, in env order; ``indices=`` for some of them), between evaluations:
+    they wait their turn behind the evaluations made before them, and the evaluations made after
+    them see their effect (an evaluation runs with the settings it started with). ``set_attr``
+    calls, and calls made with ``persist=True``, are kept: a new worker (after a failure, or for
+    the next evaluation after a death) applies them before its first evaluation. What the env
+    raises is raised as the worker's error (an instance of the env's exception type too); the
+    worker goes on.
 
     **Lifecycle.** ``async with Evaluator(...)``, or ``await start()`` (optional: the first
     evaluation starts it) and ``await aclose()``. The evaluator's work runs in a task of its own,
@@ -448,6 +459,67 @@ class Evaluator(Service):
         self._run.raise_background_error()
         run.unconsumed = None
         return run.last
+
+    # -- reaching into the envs ----------------------------------------------------------------------
+    def call(self, name: str, *args: Any, indices: Any = None, persist: bool = False, **kwargs: Any) -> Any:
+        """Call the method ``name(*args, **kwargs)`` of every env of the worker (an attribute that
+        is not callable is returned as it is); its results, one per env (``indices``: only those
+        envs). ``persist=True``: a new worker calls it again before its first evaluation. Awaited
+        in async code; blocks in synchronous code. See the class docstring for when it applies."""
+        return self._env("call()", "call", name, args, kwargs, indices=indices, persist=persist)
+
+    def get_attr(self, name: str, indices: Any = None) -> Any:
+        """The attribute ``name`` of every env (through gymnasium's wrappers), one per env."""
+        return self._env("get_attr()", "get", name, indices=indices)
+
+    def set_attr(self, name: str, values: Any, indices: Any = None) -> Any:
+        """Set the attribute ``name`` of every env (through gymnasium's wrappers) to ``values``,
+        or, for a list or tuple, to one value per env; the evaluations made after it run with it,
+        and a new worker sets it again. Returns ``None`` once it is set.
+
+        Examples:
+            >>> await evaluator.set_attr("level", 3)   # doctest: +SKIP
+            >>> metrics = await evaluator.evaluate(policy)   # on level 3
+        """
+        return self._env("set_attr()", "set", name, indices=indices, value=values, discard=True)
+
+    def map_fn(self, fn: Callable[..., Any], *args: Any, indices: Any = None, persist: bool = False,
+               **kwargs: Any) -> Any:
+        """Call ``fn(env, *args, **kwargs)`` on every env in the worker (``fn`` travels with
+        cloudpickle: a lambda works); its results, one per env (``indices``, ``persist``: as
+        :meth:`call`)."""
+        not_torchrl_map_fn("map_fn()", fn)
+        return self._env("map_fn()", "fn", "", (fn, *args), kwargs, indices=indices, persist=persist)
+
+    def getattr_env(self, attr: str) -> Any:
+        """TorchRL's name: the attribute ``attr`` of the first env."""
+        return self._env("getattr_env()", "get", attr, indices=[0], first=True)
+
+    def _env(self, what: str, kind: str, name: str, args: tuple = (), kwargs: dict | None = None, *,
+             indices: Any = None, value: Any = None, persist: bool = False, first: bool = False,
+             discard: bool = False) -> Any:
+        n = self.config.num_envs
+        rows = rows_named(what, n, n, 1, indices, None)
+        values = values_for(what, value, rows) if kind == "set" else None
+
+        async def make() -> Any:
+            await self.start()
+            if self._run.state is EvaluatorState.CLOSED:
+                raise EvaluatorClosedError(f"{what}: this evaluator is closed; create a new Evaluator")
+            job = self._run.submit_env_call(kind, name, args, kwargs or {}, rows, values, persist)
+            try:
+                await job.done.wait()
+            finally:
+                if not job.done.is_set():
+                    self._run.withdraw(job)
+            if job.error is not None:
+                raise job.error
+            assert job.result is not None
+            return None if discard else job.result[0] if first else job.result
+
+        if in_event_loop():
+            return make()
+        return self._blocking().call(make)
 
     def _submit(self, weights: Any, step: int | None, *, background: bool) -> Any:
         payload = weights_payload(weights)  # a CPU snapshot, taken now

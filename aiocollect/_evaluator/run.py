@@ -20,6 +20,7 @@ import anyio
 import numpy as np
 
 from .._service.bus import EventBus
+from .._service.env_calls import EnvCallLog, message
 from .._core.errors import ConfigTypeError, EvaluatorClosedError, WorkerError, add_note
 from .config import EvaluatorConfig, EvaluatorState
 from .._backends.eval_process import EvalProcess
@@ -61,6 +62,24 @@ class Request:
     error: BaseException | None = None
     abandoned: bool = False  # the evaluate() call waiting for it was cancelled
     sent: bool = False  # the whole request reached the worker's socket
+
+
+@dataclasses.dataclass(eq=False)
+class EnvJob:
+    """An env call (``Evaluator.call``, ``set_attr`` ...) waiting its turn among the evaluations:
+    ``rows`` (env rows), ``values`` (``set_attr``'s, one per row); ``result``: the results, one
+    per row."""
+
+    kind: str
+    name: str
+    args: tuple
+    kwargs: dict
+    rows: list[int]
+    values: list | None
+    persist: bool
+    done: anyio.Event
+    result: list | None = None
+    error: BaseException | None = None
 
 
 async def compute_metrics(
@@ -124,7 +143,7 @@ class EvalRun:
         self.needs = needs
         self.state = EvaluatorState.CREATED
         self.bus = EventBus()
-        self.queue: deque[Request] = deque()
+        self.queue: deque[Request | EnvJob] = deque()  # evaluations and env calls, in the order they were made
         self.current: Request | None = None  # running in the worker
         self.reporting: Request | None = None  # done; its events and on_result are running
         self.proc: EvalProcess | RayEvalWorker | None = None
@@ -137,10 +156,12 @@ class EvalRun:
         self.completed = self.failed = self.skipped = self.restarts = 0
         self.budget = RestartBudget(config.max_restarts, config.restart_window)
         self.restart = config.on_worker_failure == "restart"
+        self.env_calls = EnvCallLog()  # the env calls a new worker applies again (set_attr, persisted calls)
+        self.env_calls.rows_per_worker = config.num_envs
 
     @property
     def pending(self) -> int:
-        return len(self.queue) + (self.current is not None)
+        return sum(isinstance(r, Request) for r in self.queue) + (self.current is not None)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def launch(self, main: Callable[[], Awaitable[None]]) -> None:
@@ -244,6 +265,22 @@ class EvalRun:
         self.notify()
 
     # -- the caller's side of requests ----------------------------------------------------------
+    def submit_env_call(
+        self, kind: str, name: str, args: tuple, kwargs: dict, rows: list[int], values: list | None, persist: bool,
+    ) -> EnvJob:
+        """Queue an env call behind the evaluations (and env calls) made before it; launched already."""
+        job = EnvJob(kind, name, args, kwargs, rows, values, persist, anyio.Event())
+        self.queue.append(job)
+        self.wakeup.set()
+        return job
+
+    def withdraw(self, job: EnvJob) -> None:
+        """Its caller is gone: an env call still queued is not made (one being applied is)."""
+        try:
+            self.queue.remove(job)
+        except ValueError:
+            pass
+
     def submit(self, weights: tuple[str, dict] | None, step: int | None, *, background: bool) -> Request:
         """Queue an evaluation of ``weights`` (a CPU snapshot: :func:`~aiocollect._evaluator.config.weights_payload`); launched already."""
         req = Request(next(self.ids), step, weights, background, anyio.Event())
@@ -290,7 +327,7 @@ class EvalRun:
     async def _spawn(self, tg: Any) -> EvalProcess | RayEvalWorker:
         after = "; a new worker replaces it (on_worker_failure='restart')" if self.restart else "; the next evaluation starts a new worker"
         backend = backend_named(self.config.backend, choices=("process", "ray"))
-        return await backend.open_evaluator(
+        proc = await backend.open_evaluator(
             tg,
             needs=self.needs,
             worker_config=self.worker_config,
@@ -299,6 +336,16 @@ class EvalRun:
             on_death=self._worker_died,
             options=self.config.ray_actor_options,  # (each backend checks its own)
         )
+        kept = self.env_calls.kept_for(0)
+        if kept:  # a new worker: the set_attr calls (and persisted calls) made so far, in order
+            try:
+                for call in kept:
+                    await proc.env_call(call)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await proc.stop(self.config.shutdown_timeout)
+                raise
+        return proc
 
     def _worker_died(self, proc: "EvalProcess | RayEvalWorker", exc: WorkerError) -> None:
         """Between evaluations nobody waits on the worker: report its death now (under
@@ -368,7 +415,11 @@ class EvalRun:
                     continue
                 self.wakeup = anyio.Event()
                 await self.wakeup.wait()
-            req = self.current = self.queue.popleft()
+            item = self.queue.popleft()
+            if isinstance(item, EnvJob):
+                await self._env_job(item, tg)
+                continue
+            req = self.current = item
             try:
                 try:
                     metrics = await self._run_one(req, tg)
@@ -389,6 +440,32 @@ class EvalRun:
                     req.error = EvaluatorClosedError("the evaluator was closed before this evaluation completed")
                     req.done.set()
                 self.notify()
+
+    async def _env_job(self, job: EnvJob, tg: Any) -> None:
+        """Make the env call ``job`` on the worker (started if there is none), between two
+        evaluations; its results, or its error, go to its caller. A change starts an env epoch
+        and, for ``set_attr`` or ``persist=True``, is kept for the workers that replace this one."""
+        log = self.env_calls
+        mine = [(r, i) for i, r in enumerate(job.rows)]  # (one worker: its rows are the env rows)
+
+        async def send(epoch: int) -> list:
+            call = message(log.next_id(), job.kind, job.name, job.args, job.kwargs, job.values, mine, epoch)
+            return await proc.env_call(call)
+
+        try:
+            dead = self.proc
+            if self.restart and dead is not None and dead.dead is not None and dead.hung is None:
+                await self._replace(tg, dead, dead.dead)  # (it died between evaluations: replaced, events)
+            # (a new worker applies the calls kept so far as it starts: before this one is kept)
+            proc = await self._live_worker(tg)
+            job.result = (await log.make(
+                job.kind, job.name, job.args, job.kwargs, job.rows, job.values, job.persist, send))[0]
+        except Exception as exc:  # noqa: BLE001 - its caller's to raise
+            job.error = exc
+        finally:
+            if job.result is None and job.error is None:  # cancelled: the evaluator closes
+                job.error = EvaluatorClosedError("the evaluator was closed before this env call completed")
+            job.done.set()
 
     async def _run_one(self, req: Request, tg: Any) -> dict | None:
         """Run ``req`` to its metrics (``None``: aborted). Under ``"restart"`` a worker that dies,
@@ -474,4 +551,4 @@ class EvalRun:
         req.done.set()
 
 
-__all__ = ["EvalRun", "Request", "compute_metrics", "in_event_loop", "torchrl_metrics"]
+__all__ = ["EnvJob", "EvalRun", "Request", "compute_metrics", "in_event_loop", "torchrl_metrics"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 
@@ -23,8 +23,6 @@ from .._core.errors import add_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._worker.rollout import RolloutConfig
-    from .._collector.run_state import RunState
-    from .._backends.workers import WorkerHandle
 
 
 class RestartBudget:
@@ -54,7 +52,111 @@ class RestartBudget:
         return True
 
 
-async def supervise(run: "RunState", w: "WorkerHandle") -> None:
+class SupervisedWorker(Protocol):
+    """A worker seat, as its supervisor and the watchdog drive it (the collector's seats:
+    :class:`~aiocollect._backends.workers.WorkerHandle`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def completed(self) -> int:
+        """Batches its processes reported (a replacement's credits start from it)."""
+        ...
+
+    @property
+    def counters(self) -> list[int] | None:
+        """Its envs' trajectory numbers at the end of its last batch."""
+        ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    async def serve(self, on_ready: Callable[[Any], None], on_applied: Callable[[Any, int], Awaitable[None]]) -> BaseException:
+        """Handle the worker's reports until it fails; return its error."""
+        ...
+
+    async def replace(self, cfg: RolloutConfig) -> None:
+        """Replace the failed worker by a new one built from ``cfg``."""
+
+    def fail_calls(self, error: BaseException) -> None:
+        """The worker failed for good: the env calls waiting on it raise ``error``."""
+
+    def stuck(self, timeout: float) -> tuple[int, int, float] | None:
+        """``(what, env, seconds)`` if it is busy with one call for over ``timeout``, else ``None``."""
+        ...
+
+
+class _SupervisedConfig(Protocol):
+    @property
+    def on_worker_failure(self) -> str: ...
+
+    @property
+    def frames_per_env(self) -> int: ...
+
+
+class _Restarts(Protocol):
+    restarts: int
+
+
+class _KeptCalls(Protocol):
+    def kept_for(self, worker: int) -> tuple[Any, ...]:
+        """The env calls worker ``worker``'s replacement applies again before its first batch."""
+        ...
+
+
+class SupervisedRun(Protocol):
+    """A collector's run, as the supervisor and the watchdog read and tell it (the collector's:
+    :class:`~aiocollect._collector.run_state.RunState`)."""
+
+    @property
+    def config(self) -> _SupervisedConfig: ...
+
+    @property
+    def workers(self) -> Sequence[SupervisedWorker]: ...
+
+    @property
+    def configs(self) -> Sequence[RolloutConfig]:
+        """Each worker's rollout config, by index."""
+        ...
+
+    @property
+    def rows_per_worker(self) -> int: ...
+
+    @property
+    def total_rows(self) -> int: ...
+
+    @property
+    def collecting(self) -> bool:
+        """A failed worker is worth replacing: the run still collects."""
+        ...
+
+    @property
+    def budget(self) -> RestartBudget: ...
+
+    @property
+    def stats(self) -> _Restarts: ...
+
+    @property
+    def env_calls(self) -> _KeptCalls: ...
+
+    def wake(self, worker: Any = None) -> None:
+        """A worker has news (a batch ready, a failure): the producer looks again."""
+
+    async def applied(self, worker: Any, version: int) -> None:
+        """A worker applied weights ``version``."""
+
+    async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
+        """Emit an event of ``event_type`` built from ``fields`` (if someone listens)."""
+
+    def worker_failed(self, error: BaseException) -> None:
+        """A worker failed for good: ``error`` ends the run after the batches it completed."""
+
+
+async def supervise(run: SupervisedRun, w: SupervisedWorker) -> None:
     """Handle worker ``w``'s reports; when it fails, replace it or report the failure."""
     restart = run.config.on_worker_failure == "restart"
     while True:
@@ -78,7 +180,7 @@ async def supervise(run: "RunState", w: "WorkerHandle") -> None:
         run.wake()
 
 
-def replacement_config(run: "RunState", w: "WorkerHandle") -> RolloutConfig:
+def replacement_config(run: SupervisedRun, w: SupervisedWorker) -> RolloutConfig:
     """The config of ``w``'s replacement: fresh trajectory ids for its envs (the trajectories its
     failure cut end there), the random steps it still owes, seeds derived from the restart, and
     the env calls its envs keep (``set_attr``, persisted calls: replayed before its first batch)."""
@@ -98,7 +200,7 @@ def replacement_config(run: "RunState", w: "WorkerHandle") -> RolloutConfig:
     )
 
 
-async def watchdog(run: "RunState", timeout: float) -> None:
+async def watchdog(run: SupervisedRun, timeout: float) -> None:
     """Declare hung the workers that spend longer than ``timeout`` seconds in one call, that are
     stopped for that long, or that were granted work and show no progress for that long (checked
     four times per timeout, at most every second): see :meth:`WorkerHandle.stuck
@@ -114,4 +216,4 @@ async def watchdog(run: "RunState", timeout: float) -> None:
                 await watched.declare_hung(*stuck, timeout)
 
 
-__all__ = ["RestartBudget", "replacement_config", "supervise", "watchdog"]
+__all__ = ["RestartBudget", "SupervisedRun", "SupervisedWorker", "replacement_config", "supervise", "watchdog"]

@@ -7,8 +7,10 @@ rollout writes into each frame's ``("collector", "env_epoch")``.
 A worker's rows are its envs, or its vector envs' sub-envs (reached through the vector env's own
 ``call`` / ``get_attr`` / ``set_attr``, as gymnasium's vector envs offer them); attributes are
 looked up through gymnasium's wrappers (``get_wrapper_attr`` / ``set_wrapper_attr``), as
-gymnasium's vector envs do. Runs in worker processes and, for the local backend, in the
-collector's. Imported by worker processes: numpy and cloudpickle only.
+gymnasium's vector envs do. Runs in worker processes, in Ray actors (between two steps of the
+batch in progress, or between batches: :class:`~aiocollect._backends.ray_actor.RolloutActor`), for
+the local backend in the collector's process, and in the evaluator's worker (process or actor) on
+its episodes' rollout, between evaluations. Imported by worker processes: numpy and cloudpickle only.
 """
 
 from __future__ import annotations

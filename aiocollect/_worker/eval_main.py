@@ -14,6 +14,11 @@ sent with the config: before each env reset, env step and policy call of an eval
 otherwise (while it starts, loads weights or waits for the next request); ``SIGUSR1`` makes
 :mod:`faulthandler` write its stack there.
 
+Env calls (``Evaluator.call``, ``set_attr`` ...: a :class:`~aiocollect._core.wire.EnvCall`,
+answered with an :class:`~aiocollect._core.wire.EnvCallDone`) are applied between evaluations, by
+the rollout workers' own code (:mod:`aiocollect._worker.env_calls`); one that arrives during an
+evaluation waits for its end.
+
 An evaluation that fails leaves the worker usable (the next one resets every env). The worker
 exits when the parent's end of the socket closes (``shutdown(SHUT_WR)`` is how the evaluator asks
 it to stop: it works even in the middle of a message), checking every few milliseconds while it
@@ -33,6 +38,7 @@ from .._core.affinity import apply_cpus
 from .envs import add_envs, close_envs
 from .._core.errors import ConfigTypeError, SpecError
 from .._core.eval_wire import Abort, Aborted, Configure, EvalWorkerConfig, Evaluate, Failed, Hello, Ready, Result
+from .._core.wire import EnvCall
 from .peer import Peer, _Stop, pack_exception, serve_peer
 
 
@@ -61,12 +67,25 @@ class EvalWorker(Peer):
         self.envs: list[Any] = []
         self.current: int | None = None  # id of the evaluation in progress
         self.hb: _heartbeat.Heartbeat | None = None  # with a step_timeout
+        self.env_calls: list[EnvCall] = []  # env calls that arrived during an evaluation: after it
 
     def handle(self, msg: Any, fds: list[int]) -> None:
-        """A message between steps (see :meth:`Peer.tick`): only an abort of the evaluation in
-        progress matters there."""
+        """A message between steps (see :meth:`Peer.tick`): an abort of the evaluation in
+        progress; an env call waits for the evaluation's end (an evaluation runs with the
+        settings it started with)."""
         if isinstance(msg, Abort) and msg.id == self.current:
             raise _Abort
+        if isinstance(msg, EnvCall):
+            self.env_calls.append(msg)
+
+    def answer_env_calls(self) -> None:
+        """Apply the env calls received (``Evaluator.call``, ``set_attr`` ...) and answer each
+        (what the env raised travels in the answer: the worker goes on)."""
+        from .env_calls import answer
+
+        calls, self.env_calls = self.env_calls, []
+        for call in calls:
+            self.send(answer(self.loop, call))
 
     # -- set-up -----------------------------------------------------------------------------------
     def setup(self, cfg: EvalWorkerConfig) -> None:
@@ -203,7 +222,11 @@ class EvalWorker(Peer):
                 os.close(fd)
         self.send(Ready())
         while True:
+            self.answer_env_calls()
             msg = self.recv()[0]
+            if isinstance(msg, EnvCall):  # between evaluations: applied at once
+                self.env_calls.append(msg)
+                continue
             if not isinstance(msg, Evaluate):
                 continue  # an Abort that came after its evaluation finished
             self.current = rid = msg.id

@@ -380,13 +380,13 @@ class Rollout:
         """Write env ``i``'s observation (returned by ``reset``) into row ``i`` of ``into``
         (default: the carried obs)."""
         bufs = self.cur_obs if into is None else into
-        what = f"env {self.env_ids[i]}'s observation"
         if self.single_obs:
             leaf = self.obs_leaves[0]
             if checked or getattr(obs, "dtype", None) is not self.obs_dtype0 or obs.shape != leaf.shape:
-                obs = check_value(obs, leaf, what, self.obs_spaces[0])
+                obs = check_value(obs, leaf, f"env {self.env_ids[i]}'s observation", self.obs_spaces[0])
             bufs[0][i] = obs
         else:
+            what = f"env {self.env_ids[i]}'s observation"
             for leaf, space, buf, value in zip(self.obs_leaves, self.obs_spaces, bufs, self.flatten_obs(obs)):
                 buf[i] = check_value(value, leaf, what, space)
         for k in self.finite_obs:
@@ -469,12 +469,17 @@ class Rollout:
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
         guard, check_finite, hb, idle = self.guard, cfg.check_finite, self.heartbeat, self.idle
         is_init = getattr(self.runner, "is_init", None)  # a recurrent policy's: rows starting an episode
+        # looked up once per batch, not per step: what every step reads
+        takes_arrays, ahead, step_envs, end_step = self.takes_arrays, cfg.ahead, self._step_envs, self._end_step
+        random_left = self.steps < self.random_calls  # (init_random_frames: none left after the first batches)
+        runner = self.runner
         clock = time.perf_counter
         policy_time = env_time = 0.0
         t_env = clock()
         for t, (obs_t, act_t, extra_t, nxt, cur, rew_t, term_t, trunc_t, done_t) in enumerate(frames):
-            random = self.steps < self.random_calls
-            runner = self.random_runner if random else self.runner
+            random = random_left and self.steps < self.random_calls
+            if random_left:
+                runner = self.random_runner if random else self.runner
             t_policy = clock()
             env_time += t_policy - t_env
             if hb is not None:
@@ -491,20 +496,20 @@ class Rollout:
                 is_init[:] = bool(self.runner.remote and cfg.restart) and self.steps + 1 == self.random_calls
             for dst, arr in zip(act_t, act_arrays):
                 dst[...] = arr
-            if self.takes_arrays:
+            if takes_arrays:
                 env_actions = act_arrays
             if guard is not None and not random:
                 env_actions = guard.apply(act_arrays, env_actions, self._action_step, self.stepping)
             if extra_t:
                 for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
                     dst[...] = arr
-            finals = self._step_envs(env_actions, obs_t, nxt, rew_t, term_t, trunc_t)
+            finals = step_envs(env_actions, obs_t, nxt, rew_t, term_t, trunc_t)
             if check_finite:
                 self._check_finite(nxt, rew_t)
-            self._end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
+            end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
             if is_init is not None:  # (the rows that ended start an episode at the next step)
                 np.logical_or(is_init, done_t, out=is_init)
-            if cfg.ahead and t + 1 < T and self.steps >= self.random_calls:
+            if ahead and t + 1 < T and self.steps >= self.random_calls:
                 self.runner.ahead(cur)  # (worker_groups: computed while the other group steps)
             if idle is not None and idle.all():
                 stage.stop_after(t, cur, self.cur_obs)
@@ -567,6 +572,35 @@ class Rollout:
         leaf0, space0, dtype0 = self.obs_leaves[0], self.obs_spaces[0], self.obs_dtype0
         shape0 = leaf0.shape
         next0 = nxt[0]
+        if single and hb is None:
+            # the hot path (no heartbeat to write between the envs' steps): every env steps, then
+            # the step's observations, rewards and flags are written with one numpy call each
+            # where they are of the batch's own types (a numpy write per env and value costs more
+            # than the Python list it is written from)
+            results = [env.step(action) for env, action in zip(self.envs, actions)]
+            obs_l, rew_l, term_l, trunc_l, _ = zip(*results)
+            if all(getattr(obs, "dtype", None) is dtype0 and obs.shape == shape0 for obs in obs_l):
+                next0[...] = obs_l
+            else:
+                for i, obs in enumerate(obs_l):
+                    if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
+                        obs = check_value(obs, leaf0, f"env {ids[i]}'s observation", space0)
+                    next0[i] = obs
+            if all(reward.__class__ is float for reward in rew_l):  # (what most envs return)
+                rew_t[:] = rew_l
+            else:
+                for i, reward in enumerate(rew_l):
+                    if not isinstance(reward, (float, int)):
+                        reward = check_reward(reward, f"env {ids[i]}'s reward at {self._step_text(i)}")
+                    rew_t[i] = reward
+            if all(flag.__class__ is bool for flag in term_l + trunc_l):
+                term_t[:] = term_l
+                trunc_t[:] = trunc_l
+            else:
+                for i, (terminated, truncated) in enumerate(zip(term_l, trunc_l)):
+                    term_t[i] = terminated
+                    trunc_t[i] = truncated
+            return []
         for i, env in enumerate(self.envs):
             if hb is not None:
                 hb.begin(STEP, int(ids[i]))
@@ -642,11 +676,14 @@ class Rollout:
         np.copyto(sums, stage.rew)
         sums[0] += self.ep_ret
         ended_at = dict(ends)
-        for t in range(1, len(sums)):
-            np.add(sums[t - 1], sums[t], out=sums[t])
+        add, rew = np.add, stage.rew
+        prev = sums[0]
+        for t, row in enumerate(sums[1:], 1):  # (each step's row a view made once)
+            add(prev, row, out=row)
             restart = ended_at.get(t - 1)
             if restart is not None:  # (after an end the sum starts again from the next reward)
-                sums[t, restart] = stage.rew[t, restart]
+                row[restart] = rew[t, restart]
+            prev = row
         self.ep_ret = np.where(stage.done[-1], 0.0, sums[-1])
         if not ends:
             return None

@@ -16,14 +16,17 @@
 #      server infers: plain, 2 groups, compile_policy, cudagraph_policy, a CUDA storing_device) and
 #      benchmarks/weight_sync.py --server-only (an update's latency and the server's extra memory)
 #   5. benchmarks/inference.py --device cuda, short (one round of 3 s per setup, 8 workers)
-#   6. every other test file, on CHECK_JOBS processes (tests of optional extras the image lacks,
+#   6. the many-core scale step: benchmarks/throughput.py at SCALE_WORKERS (cores - 1, at most 15)
+#      workers x 8 and x 32 CartPole envs, and benchmarks/startup.py at 1, 4 and SCALE_WORKERS workers
+#   7. every other test file, on CHECK_JOBS processes (tests of optional extras the image lacks,
 #      such as Ray, EnvPool, TorchRL or the docs site, skip and say which package they need)
 # Logs go to $OUT when it is set, else to ${TMPDIR:-/tmp}/aiocollect-gpu-check: check.log (all),
 # summary.txt (what to keep), env.txt, pytest-devices.log, inference.log, inference.json,
-# pytest-suite.log. Exit status 0 when every step passed on a CUDA device, else 1; without a CUDA
+# scale-8.log, scale-32.log, startup.log, pytest-suite.log. Exit status 0 when every step passed on a CUDA device, else 1; without a CUDA
 # device it says "no CUDA device", runs what it can and exits 1 at the end.
 # Settings (environment): PYTHON (python3), CHECK_JOBS (15), CHECK_BUDGET_S (540: steps are cut to
-# end by then), BENCH_ARGS (the benchmark's options, default below), SKIP_BENCH=1.
+# end by then), BENCH_ARGS (the benchmark's options, default below), SKIP_BENCH=1, SCALE_WORKERS,
+# SKIP_SCALE=1.
 set -uo pipefail
 
 PY=${PYTHON:-python3}
@@ -249,6 +252,15 @@ summary() {
     line=$(grep -n -m 1 '^Pong (84x84' "$LOG/inference.log" | cut -d: -f1)
     [ -n "$line" ] && { echo "benchmarks/inference.py --device cuda $BENCH_ARGS:"; tail -n "+$line" "$LOG/inference.log"; }
   fi
+  for f in scale-8.log scale-32.log; do  # the table and the limit's drift line of each
+    [ -f "$LOG/$f" ] || continue
+    echo "benchmarks/throughput.py, $(grep -m 1 -o '[0-9]* workers x [0-9]* envs' "$LOG/$f"):"
+    sed -n '/^setup  /,/^limit at the start/p' "$LOG/$f"
+  done
+  if [ -f "$LOG/startup.log" ]; then
+    echo "benchmarks/startup.py:"
+    grep -E '^(machine|import torch|from aiocollect|launch|first batch|second collector)' "$LOG/startup.log" | head -n 24
+  fi
   local failed
   failed=$(failures)
   if [ "$cuda" -eq 0 ]; then
@@ -323,6 +335,21 @@ env.close()'
     step "benchmarks/inference.py --device cuda --busy-trainer (64 envs)" inference-busy.log 90 \
       "$PY" benchmarks/inference.py --device cuda --busy-trainer --rounds 1 --seconds 3 --warmup 1 --workers 8 \
       --gpu-envs 64
+  fi
+
+  # the machine users train on: many cores (the per-core ratio and the start-up carry over from here)
+  if [ "${SKIP_SCALE:-0}" != 1 ]; then
+    scale=${SCALE_WORKERS:-$(( $(nproc) - 1 ))}
+    [ "$scale" -gt 15 ] && scale=15
+    [ "$scale" -lt 1 ] && scale=1
+    step "benchmarks/throughput.py, $scale workers x 8 envs" scale-8.log 90 \
+      "$PY" benchmarks/throughput.py --skip-baselines --seconds 3 --workers "$scale" --envs-per-worker 8 \
+      --frames-per-batch $((scale * 8 * 16))
+    step "benchmarks/throughput.py, $scale workers x 32 envs" scale-32.log 90 \
+      "$PY" benchmarks/throughput.py --skip-baselines --seconds 3 --workers "$scale" --envs-per-worker 32 \
+      --frames-per-batch $((scale * 32 * 16))
+    step "benchmarks/startup.py, 1, 4 and $scale workers" startup.log 120 \
+      "$PY" benchmarks/startup.py --repeat 2 --workers "1,4,$scale"
   fi
 
   # Last, with the time left: every other test file. The CUDA ones among them (server inference,

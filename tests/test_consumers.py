@@ -1,19 +1,17 @@
-"""Delivery and lifecycle as people outside the project use them: a queue whose reader went
-away, cancellation around each call, a second iteration, closing from another task, a
-BaseException in the loop body, the evaluator outliving its collector's close. The autouse
-fixture in conftest checks that nothing (process, thread, shared memory) is left behind."""
+"""The consumers' side of delivery: a queue whose readers went away, or that the user closed,
+stops the collector (and ``aclose()`` is clean); the user's queue is closed however the delivery
+ends (a start that fails, is cancelled or is closed), so that its readers end; two tasks sharing
+one collector (each batch once; with ``zero_copy`` a clear error); a second plain ``for`` after the
+collector closed itself. The autouse fixture in conftest checks that nothing (process, thread,
+shared memory) is left behind."""
 
 from __future__ import annotations
-
-import asyncio
-import threading
 
 import anyio
 import pytest
 
 from aiocollect import AiocollectError, Collector, CollectorState, WorkerError
 from aiocollect.events import CollectorStopped
-from aiocollect._service.resource import in_own_thread
 from aiocollect.testing import CountingEnv
 
 FRAMES = 8
@@ -81,55 +79,6 @@ async def test_a_stream_the_user_closed_on_the_send_side_stops_the_collector_too
         await wait_for_state(c, CollectorState.STOPPED)
         await c.aclose()
     receive.close()
-
-
-# -- in_own_thread: its wake-up ------------------------------------------------------------------
-@pytest.mark.loops("asyncio")
-@pytest.mark.asyncio_only
-async def test_in_own_thread_waits_for_its_thread_under_a_native_task_cancel():
-    """``asyncio.timeout`` cancels the task natively (through anyio's shield): the caller still
-    waits for ``fn`` to return (it cannot be interrupted), then raises the cancellation."""
-    release, started, returned = threading.Event(), threading.Event(), threading.Event()
-
-    def fn():
-        started.set()
-        release.wait(30)
-        returned.set()
-        return "result"
-
-    async def call():
-        return await in_own_thread(fn, "aiocollect test thread")
-
-    task = asyncio.ensure_future(call())
-    while not started.is_set():
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.sleep(0.1)  # (a task that ignored the wait would be done by now)
-    assert not task.done(), "in_own_thread returned while its thread was still running fn"
-    release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert returned.is_set()
-
-
-def test_in_own_thread_ends_its_thread_when_the_loop_stopped_without_closing():
-    """A loop stopped (not closed) while a caller waits: the thread still ends once ``fn`` has
-    returned (it does not block on the loop), and the caller gets the result when the loop runs
-    again."""
-    release = threading.Event()
-    loop = asyncio.new_event_loop()
-    try:
-        task = loop.create_task(in_own_thread(lambda: release.wait(30) and "result", "aiocollect test thread"))
-        loop.run_until_complete(asyncio.sleep(0.05))  # the loop stops: the task still waits
-        threads = [t for t in threading.enumerate() if t.name == "aiocollect test thread"]
-        assert len(threads) == 1
-        release.set()
-        threads[0].join(30)
-        assert not threads[0].is_alive(), "the thread blocks on a loop that does not run"
-        assert loop.run_until_complete(task) == "result"
-    finally:
-        release.set()
-        loop.close()
 
 
 # -- two consumer tasks --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The constructors as a stranger calls them: an option given without the mode it belongs to is
-refused (it would silently do nothing), a misspelt or foreign keyword names the option meant,
-and every refused value is named with the way out. Nothing here starts a process: each error is
-raised at construction, before any worker exists."""
+"""The constructors' arguments, as users outside the project pass them: an option given without
+the mode it belongs to is refused (it would silently do nothing), a misspelt or foreign keyword
+names the option meant, and every refused value is named with the way out. Nothing here starts
+a process: each error is raised at construction, before any worker exists."""
 
 from __future__ import annotations
 
