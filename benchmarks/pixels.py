@@ -193,8 +193,11 @@ async def _collect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
             if meter.add(batch.numel()):
                 break
         run = collector._run  # (private: the benchmark reads the slot layout; older versions kept it on the run)
-        layout = run.shared.slots.layout if hasattr(run, "shared") else run.layout
-        frames = layout.workers * layout.num_envs * layout.frames_per_env  # in one slot
+        shared = getattr(run, "shared", None)
+        layout = shared.pool.slots.layout if hasattr(shared, "pool") else shared.slots.layout if shared else run.layout
+        rows = getattr(layout, "rows", None) or layout.num_envs  # (older versions' names: num_envs, frames_per_env)
+        per_row = getattr(layout, "frames_per_row", None) or layout.frames_per_env
+        frames = layout.workers * rows * per_row  # in one slot
         written = layout.slot_nbytes
         batch_bytes = sum(t.numel() * t.element_size() for t in batch.values(True, True))
         stats = collector.stats()

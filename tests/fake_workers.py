@@ -22,8 +22,8 @@ import anyio
 import numpy as np
 
 from aiocollect import WorkerError
-from aiocollect._backends.seat import Launch, Sharing
-from aiocollect._backends.workers import WorkerHandle, _Slots, allocate_segment
+from aiocollect._backends.seat import Launch, Sharing, SlotViews
+from aiocollect._backends.workers import WorkerHandle, allocate_segment
 from aiocollect._core.wire import NO_EPISODES, BatchInfo
 from aiocollect._worker.vector import open_rollout
 
@@ -102,7 +102,7 @@ class FakeWorker(WorkerHandle):
 
     def stop_nowait(self) -> None:
         self.stopped = True
-        self.slots = None  # type: ignore[assignment]
+        self.slots = SlotViews.unset()
 
 
 class FakeBackend:
@@ -112,6 +112,8 @@ class FakeBackend:
     weights_in_parent = False
     profiles = False  # (a fake worker records nothing)
     serves_inference = False
+    opens_evaluator = False
+    options_name = None  # (no options of its own)
 
     def __init__(self, *scripts: Script) -> None:
         self.scripts = list(scripts)
@@ -139,6 +141,6 @@ class FakeBackend:
     async def share_slots(self, seats: list[FakeWorker], sharing: Sharing) -> tuple[int, Any]:
         segment = allocate_segment(sharing.layout, "aiocollect-test-fake")
         for w in seats:
-            w.slots = _Slots(sharing.layout, segment[1], w.index)
+            w.slots = SlotViews(sharing.layout, segment[1], w.index)
             w.free.extend(range(sharing.layout.num_slots))
         return segment

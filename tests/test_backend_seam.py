@@ -258,3 +258,36 @@ def test_no_backend_name_is_compared_outside_the_table():
         if hits:
             found[str(path.relative_to(package))] = hits
     assert found == {}
+
+
+def test_the_collector_and_its_services_type_seats_as_the_seam():
+    """The collector's wing and the services drive worker seats through the seam's protocol
+    (:class:`RolloutSeat`), never through a backend's classes: nothing there imports
+    ``_backends.workers`` (nor ``ray``), even for type checking."""
+    package = pathlib.Path(aiocollect.__file__).parent
+    found = {}
+    for wing in ("_collector", "_service", "_core"):
+        for path in (package / wing).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                        ("_backends.workers", "_backends.ray", "aiocollect._backends.workers", "aiocollect._backends.ray")):
+                    found.setdefault(str(path.relative_to(package)), []).append(node.lineno)
+    assert found == {}
+    seat_members = set(RolloutSeat.__annotations__) | {m for m in vars(RolloutSeat) if not m.startswith("_")}
+    for member in ("take", "ready", "credits_sent", "slots", "nudge", "give_store", "profile", "traces",
+                   "calls_pending", "parked", "reaches_envs"):
+        assert member in seat_members, member
+
+
+def test_capabilities_are_attributes_of_the_backend_not_found_by_hasattr():
+    assert EVALUATOR_BACKENDS == tuple(name for name, b in BACKENDS.items() if b.opens_evaluator) == ("process", "ray")
+    assert [b.options_name for b in BACKENDS.values()] == [None, None, "ray_actor_options"]
+
+    class NoCapabilities(FakeBackend):
+        def __getattribute__(self, name):
+            if name in ("opens_evaluator", "options_name"):
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    with pytest.raises(ConfigError, match=r"lacks opens_evaluator, options_name"):
+        Collector("CartPole-v1", None, frames_per_batch=16, num_workers=2, backend=NoCapabilities(Script(), Script()))

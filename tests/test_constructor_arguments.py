@@ -165,6 +165,52 @@ def test_positional_use_and_introspection_are_unchanged():
         Collector(ENV)
 
 
+@pytest.mark.parametrize("cls, config, positional", [
+    (Collector, CollectorConfig, ["create_env_fn", "policy"]),
+    (Evaluator, EvaluatorConfig, ["env", "policy"]),
+])
+def test_each_option_is_written_once_and_the_signature_is_the_configs(cls, config, positional):
+    """Collector() and Evaluator() take their config's options, written once (type, default,
+    docs): ``inspect.signature``, ``help()`` and notebooks show every one of them."""
+    import inspect
+
+    ours = list(inspect.signature(cls).parameters.values())
+    assert ours == list(inspect.signature(config).parameters.values())
+    assert [p.name for p in ours if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+
+
+@pytest.mark.timeout(600)
+def test_mypy_checks_every_option_of_a_constructor_call(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    program = tmp_path / "uses.py"
+    program.write_text(textwrap.dedent("""
+        from aiocollect import Collector, Evaluator
+        Collector("CartPole-v1", frames_per_batch=64, total_frames=None, delivery="async", seed=1)
+        Collector("CartPole-v1", frames_per_batch="64")
+        Collector("CartPole-v1", frames_per_batch=64, num_worker=2)
+        Evaluator("CartPole-v1", num_trajectories=3, busy_policy="queue", action_bounds="clip")
+        Evaluator("CartPole-v1", num_trajectories="3")
+        Evaluator("CartPole-v1", num_trajectoris=3)
+    """))
+    import os
+    from pathlib import Path
+
+    import aiocollect
+
+    env = {**os.environ, "MYPYPATH": str(Path(aiocollect.__file__).parents[1])}  # (the package as the tests import it)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
+                           str(program)], capture_output=True, text=True, timeout=560, cwd=tmp_path, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("uses.py") and "error:" in line]
+    assert len(lines) == 4, proc.stdout
+    assert 'Argument "frames_per_batch" to "Collector" has incompatible type "str"; expected "int"' in lines[0]
+    assert 'Unexpected keyword argument "num_worker" for "Collector"' in lines[1]
+    assert 'Argument "num_trajectories" to "Evaluator" has incompatible type "str"; expected "int"' in lines[2]
+    assert 'Unexpected keyword argument "num_trajectoris" for "Evaluator"' in lines[3]
+
+
 # -- values at both ends, and of the wrong type --------------------------------------------------
 
 VALUES = [

@@ -101,7 +101,7 @@ async def test_two_tasks_taking_from_a_zero_copy_collector_get_a_clear_error():
                 async with c.pause():  # nothing is delivered: both calls wait (or one is refused)
                     tg.start_soon(take, c)
                     tg.start_soon(take, c)
-                    while not outcomes and c._run.shared.counts.requested < 2:  # one refused, or both wait
+                    while not outcomes and c._run.shared.delivery.counts.requested < 2:  # one refused, or both wait
                         await anyio.sleep(0.01)
     errors = [o for o in outcomes if isinstance(o, AiocollectError)]
     assert len(errors) == 1 and outcomes.count(0) == 1, outcomes

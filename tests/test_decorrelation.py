@@ -16,7 +16,7 @@ import torch
 
 from aiocollect import Collector, ConfigError
 from aiocollect._worker.decorrelate import decorrelation_draws
-from aiocollect._worker.rollout import derived_seed
+from aiocollect._worker.seeding import derived_seed
 from aiocollect.events import EpisodeEnded, WorkerRestarted
 from aiocollect.testing import CountingEnv
 

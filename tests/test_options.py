@@ -110,11 +110,12 @@ def test_multiples_around(value, step, expected):
     assert multiples_around(value, step) == expected
 
 
-def test_frames_per_batch_arithmetic_lives_on_the_config():
+def test_frames_per_batch_arithmetic_lives_on_the_configs_geometry():
     c = CollectorConfig("CartPole-v1", frames_per_batch=48, num_workers=2, envs_per_worker=3)
-    assert (c.frames_per_env, c.frames_per_row(2), c.frames_per_row(4)) == (8, 4, 2)
-    assert c.frames_per_batch_fix(5) == "use frames_per_batch=50 or 45"
-    assert c.frames_per_batch_fix(64) == "use frames_per_batch=64"
+    g = c.geometry
+    assert (g.frames_per_copy, g.with_sub_envs(2).frames_per_row, g.with_sub_envs(4).frames_per_row) == (8, 4, 2)
+    assert g.fix(5) == "use frames_per_batch=50 or 45"
+    assert g.fix(64) == "use frames_per_batch=64"
     with pytest.raises(ConfigError, match=r"not a multiple of the 4 envs .*; use frames_per_batch=16 or 12$"):
         CollectorConfig("CartPole-v1", frames_per_batch=15, num_workers=2, envs_per_worker=2)
 

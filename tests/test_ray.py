@@ -164,7 +164,7 @@ async def test_user_program_with_weight_updates():
                         p.add_(0.01)
                 version = await c.update_weights(policy)
                 assert version == len(versions)
-            puts = c._run.shared.workers[0].snapshots.puts if c._run.shared.workers else None
+            puts = c._run.shared.pool.workers[0].snapshots.puts if c._run.shared.pool.workers else None
         assert c.frames == 1200
     assert versions[0] == 0 and versions[1:] == sorted(versions[1:]) and versions[-1] >= 4
     assert {w for w, v in applied if v == versions[-1]} == {0, 1}
@@ -180,8 +180,8 @@ async def test_weights_put_once_per_version_and_acknowledged():
                              backend="ray", prefetch=0) as c:
             await c.collect()
             seen(c)
-            snapshots = c._run.shared.workers[0].snapshots
-            assert c._run.shared.workers[1].snapshots is snapshots
+            snapshots = c._run.shared.pool.workers[0].snapshots
+            assert c._run.shared.pool.workers[1].snapshots is snapshots
             before = snapshots.puts
             for k in range(3):
                 with torch.no_grad():
@@ -259,7 +259,7 @@ async def test_killed_actor_raises_broken_worker_error():
         async with c:
             await c.collect()
             pids = seen(c)
-            handle = c._run.shared.workers[1].actor
+            handle = c._run.shared.pool.workers[1].actor
             ray.kill(handle)
             with pytest.raises(BrokenWorkerError, match="worker 1 .*Ray actor.* died") as info:
                 for _ in range(50):
@@ -285,7 +285,7 @@ async def test_killed_actor_is_replaced():
                 check_cartpole(batch)
                 n += 1
                 if n == 2:
-                    ray.kill(c._run.shared.workers[0].actor)
+                    ray.kill(c._run.shared.pool.workers[0].actor)
                     await anyio.sleep(0.5)
                 ids |= set(batch["collector", "traj_ids"].unique().tolist())
             seen(c)
@@ -384,7 +384,7 @@ async def test_actor_options_reach_ray():
                                                 "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}) as c:
             await c.collect()
             seen(c)
-            assert {w.node for w in c._run.shared.workers} == {node}
+            assert {w.node for w in c._run.shared.pool.workers} == {node}
 
 
 def test_config_errors(monkeypatch):
@@ -690,7 +690,7 @@ async def test_a_curriculum_through_set_attr_holds_for_every_frame_across_a_kill
                     assert await c.get_attr("scale") == [new] * 4
                 if n == 4:  # (noticed by the next batch it is asked for)
                     old = c.worker_pids[1]
-                    ray.kill(c._run.shared.workers[1].actor)
+                    ray.kill(c._run.shared.pool.workers[1].actor)
             assert c.stats().restarts == 1 and seen(c)[1] != old
             assert await c.get_attr("scale") == [scales[c.env_epoch]] * 4
         if delivery == "sync":  # (async: the last batch of a worker may be older than the last call)
@@ -725,7 +725,7 @@ async def test_env_calls_on_actors_give_results_in_row_order_and_errors_with_the
             assert await c.call("set_level", 7, persist=True) == [7] * 4
             batch = await c.collect()
             assert (batch["collector", "env_epoch"] == c.env_epoch).all()
-            ray.kill(c._run.shared.workers[0].actor)
+            ray.kill(c._run.shared.pool.workers[0].actor)
             # (the idle actor's death is found by the call, which its replacement answers)
             assert await c.get_attr("level") == [7] * 4
             assert c.stats().restarts == 1

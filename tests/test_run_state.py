@@ -1,7 +1,8 @@
 """The run's lifecycle as phases: every move the public API makes is one the transition table
 allows, and each phase reports the public ``collector.state`` it stands for; a move the table
-does not allow is refused (a bug of the library, an ``AssertionError``); and the modules that
-work on a run's state receive that state, never the ``Run`` (its lifecycle)."""
+does not allow is refused (a bug of the library, an ``AssertionError``); and the run's parts
+(the worker pool, the producer, the weights, the profiling ...) are built with what they need:
+none of them refers to the ``Run`` (its lifecycle) or to the ``RunState`` (the whole run)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from aiocollect.testing import CountingEnv, InjectedFailure
 
 ROOT = Path(__file__).resolve().parents[1] / "aiocollect"
 
-# the modules that work on a run's state (they take a RunState, not the Run)
-STATE_USERS = [
-    "_collector/producer.py", "_collector/startup.py", "_collector/resume.py", "_collector/stats.py",
-    "_collector/weightsync.py", "_service/supervisor.py", "_core/profiling.py", "_collector/run_state.py",
+# the modules of the run's parts: none takes the whole run
+PARTS = [
+    "_collector/producer.py", "_collector/pool.py", "_collector/resume.py", "_collector/stats.py",
+    "_collector/weightsync.py", "_collector/env_calls.py", "_collector/inference_server.py",
+    "_collector/server_parts.py", "_collector/server_weights.py", "_collector/delivery.py", "_collector/plane.py",
+    "_service/supervisor.py", "_core/profiling.py",
 ]
 
 
@@ -147,32 +150,43 @@ async def test_a_worker_failure_while_running(moves):
 
 
 def _imports_run(path: Path) -> list[str]:
-    """The lines of ``path`` that import ``Run`` (or the ``run`` module) of the collector."""
+    """The lines of ``path`` that import or name ``Run`` or ``RunState`` (or their modules)."""
     found = []
+    names = ("Run", "RunState")
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if module.split(".")[-1] == "run" and "_evaluator" not in module:
+            if module.split(".")[-1] in ("run", "run_state") and "_evaluator" not in module:
                 found.append(f"line {node.lineno}: from {module} import ...")
-            elif any(alias.name == "run" for alias in node.names) and module.endswith("_collector"):
+            elif any(alias.name in ("run", "run_state") for alias in node.names) and module.endswith("_collector"):
                 found.append(f"line {node.lineno}: from {module} import run")
         elif isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.endswith("_collector.run")]
-        elif isinstance(node, ast.Name) and node.id == "Run":
-            found.append(f"line {node.lineno}: refers to Run")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "Run":
-            found.append(f"line {node.lineno}: annotated as 'Run'")
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.endswith(("_collector.run", "_collector.run_state"))]
+        elif isinstance(node, ast.Name) and node.id in names:
+            found.append(f"line {node.lineno}: refers to {node.id}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append(f"line {node.lineno}: annotated as {node.value!r}")
     return found
 
 
-@pytest.mark.parametrize("module", STATE_USERS)
-def test_the_modules_that_work_on_a_run_take_its_state_not_the_run(module):
+@pytest.mark.parametrize("module", PARTS)
+def test_the_runs_parts_never_take_the_whole_run(module):
     found = _imports_run(ROOT / module)
-    assert not found, f"aiocollect/{module} refers to the Run (take the RunState): {found}"
+    assert not found, f"aiocollect/{module} refers to the run (build the part with what it needs): {found}"
+
+
+def test_the_collector_reaches_into_no_part_of_its_run():
+    """The public ``Collector`` asks its run (the lifecycle) for what it reports; it never reaches
+    through it into the parts (``_run.shared.sync.watch...``)."""
+    text = (ROOT / "_collector" / "collector.py").read_text()
+    assert "shared." not in text.replace("shared memory", "").replace("shared-memory", "")
 
 
 def test_the_import_check_can_fail(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text('from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .run import Run\n'
                       'def f(run: "Run") -> None: ...\n')
+    assert len(_imports_run(sample)) == 2
+    sample.write_text('from .run_state import Counters\ndef f(run: "RunState") -> None: ...\n')
     assert len(_imports_run(sample)) == 2

@@ -17,7 +17,7 @@ import torch
 
 from aiocollect import Collector, CollectorConfig
 from aiocollect._collector.inference_server import StarvationWatch
-from aiocollect._collector.startup import server_priority, worker_cpus
+from aiocollect._collector.pool import server_priority, worker_cpus
 from aiocollect._core.affinity import crowded, spare_one_cpu
 
 from test_affinity import threads_cpus

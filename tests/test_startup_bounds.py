@@ -282,12 +282,12 @@ async def test_workers_whose_stop_is_interrupted_are_killed_and_their_sockets_cl
     c = Collector(_HangsInClose, frames_per_batch=16, num_workers=1, shutdown_timeout=60.0)
     await c.start()
     run = c._run
-    proc = run.shared.workers[0].proc
+    proc = run.shared.pool.workers[0].proc
     pid = proc.pid
     run.request_close()  # as aclose() does, without waiting
     run.shared.stop.set()
     with anyio.fail_after(20):
-        while run.shared.workers[0].proc is not None:  # its seat let go: stopping it
+        while run.shared.pool.workers[0].proc is not None:  # its seat let go: stopping it
             await anyio.sleep(0.01)
     await anyio.sleep(0.2)  # waiting for the worker, stuck in its env's close()
     run.task.cancel()

@@ -254,7 +254,7 @@ async def test_a_lent_batch_kept_after_close_stays_valid_and_pins_only_its_own_s
         for _ in range(12):  # every slot has been written
             kept = await c.collect()
         expected = kept.clone()
-        slot_nbytes, num_slots = c._run.shared.slots.layout.slot_nbytes, c.config.num_slots
+        slot_nbytes, num_slots = c._run.shared.pool.slots.layout.slot_nbytes, c.config.num_slots
         assert c.stats().batches_copied == 0
     assert (kept == expected).all()
     check_counting(kept)
@@ -292,7 +292,7 @@ async def test_batches_kept_beyond_the_loans_are_copies_into_reused_memory_and_l
             batch = await c.collect()
             check_counting(batch)
             del batch
-        pool = c._run.shared.producer.pool
+        pool = c._run.shared.producer.chunks
         assert pool.reused >= 10, f"only {pool.reused} of 15 copies reused dropped memory"
         assert all((b == e).all() for b, e in zip(kept, expected)), "a batch the consumer holds was overwritten"
         lent = c._run.shared.producer.loans.lent

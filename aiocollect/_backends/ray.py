@@ -30,7 +30,8 @@ from .._core.heartbeat import STOPPED, UNRESPONSIVE, process_state
 from .._core.layout import SlotLayout
 from .._worker.rollout import RolloutConfig
 from .failures import REPLACE_DEAD, REPLACE_HUNG, changed_spec, hung_error, ray_error, stop_on_failure, unpacked_error
-from .workers import LoopSeat, OnApplied, OnReady, CallWaiter, _Slots, allocate_segment
+from .seat import SlotViews
+from .workers import LoopSeat, OnApplied, OnReady, CallWaiter, allocate_segment
 
 log = logging.getLogger("aiocollect")
 
@@ -269,7 +270,6 @@ class RayWorker(LoopSeat):
         self._beat: Any = None  # future of the watchdog's last question
         self._asked = 0.0  # when it was asked
         self._stuck: tuple[int, int, float] | None = None
-        self.calls: dict[int, CallWaiter] = {}  # env calls sent, by id, not answered yet
         self.call_lost: BaseException | None = None  # an env call found the actor dead
 
     @property
@@ -296,8 +296,8 @@ class RayWorker(LoopSeat):
 
     def attach(self, layout: SlotLayout, mm: Any) -> None:
         """This seat's rows of the collector's slots, and the layout of the actor's own batch."""
-        self.slots = _Slots(layout, mm, self.index)
-        self.actor_layout = SlotLayout.build(list(layout.leaves), layout.num_envs, layout.frames_per_env, 1, 1)
+        self.slots = SlotViews(layout, mm, self.index)
+        self.actor_layout = SlotLayout.build(list(layout.leaves), layout.rows, layout.frames_per_row, 1, 1)
         self.free = deque(range(layout.num_slots))
 
     def _setup_actor(self) -> None:
@@ -539,7 +539,7 @@ class RayWorker(LoopSeat):
         from .._core.errors import CollectorClosedError
 
         self.fail_calls(CollectorClosedError(f"worker {self.index} was stopped before it applied the env call"))
-        self.slots = None  # type: ignore[assignment]  # (the segment is unmapped once no view is left)
+        self.slots = SlotViews.unset()  # (the segment is unmapped once no view is left)
         self.stores = []
 
     def stop_nowait(self) -> None:

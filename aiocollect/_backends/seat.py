@@ -9,12 +9,29 @@ httpx's ``MockTransport`` is one for its clients) is passed to ``Collector(backe
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from collections import deque
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, runtime_checkable
 
 from .._core.layout import SlotLayout
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .._core.wire import BatchInfo
     from .._worker.rollout import RolloutConfig
+
+
+class SlotViews:
+    """numpy views of each slot over one worker's rows of the slots' segment."""
+
+    def __init__(self, layout: SlotLayout, buffer: Any, worker: int) -> None:
+        self.layout = layout
+        self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
+
+    @classmethod
+    def unset(cls) -> "SlotViews":
+        """What a seat holds before the slots are shared: no view (its ``layout`` is not set)."""
+        views = cls.__new__(cls)
+        views.np_views = []
+        return views
 
 
 @runtime_checkable
@@ -37,11 +54,42 @@ class Seat(Protocol):
 
 @runtime_checkable
 class RolloutSeat(Seat, Protocol):
-    """A collector's worker seat, as the producer, the supervisor and the watchdog drive it (the
-    bookkeeping they read, ``ready``, ``held``, ``completed`` ..., is
-    :class:`~aiocollect._backends.workers.WorkerHandle`'s)."""
+    """A collector's worker seat, as the collector's run (its pool, producer, supervisor,
+    watchdog, profiling, background collection) drives it. aiocollect's seats, and the tests'
+    fakes, get the bookkeeping (``ready``, ``held``, ``completed`` ...) from
+    :class:`~aiocollect._backends.workers.WorkerHandle`."""
 
     index: int
+    slots: SlotViews
+    """Its rows of each slot (once the slots are shared)."""
+    ready: deque[tuple[int, BatchInfo]]
+    """``(slot, info)`` of the batches it completed and nobody took yet, oldest first."""
+    credits_sent: int
+    """Batches it was allowed to fill so far."""
+    completed: int
+    """Batches its processes reported (a replacement's credits start from it)."""
+    counters: list[int] | None
+    """Its envs' trajectory numbers at the end of its last batch."""
+    restarts: int
+    traces: list[str]
+    """Profiler trace files it wrote that nobody announced yet (taken from the front)."""
+    home: Any
+    """Background collection: the collector's own loop, which serves it (``None``: the caller's)."""
+    can_serve_off_loop: bool
+    """Its reports can be read in background collection's own loop."""
+    parked: bool
+    """:meth:`serve` waits for its next report with nothing half-done (safe to cancel)."""
+    reaches_envs: bool
+    """:meth:`env_call` works (``Collector.call``, ``get_attr``, ``set_attr`` ...)."""
+    server_link: Any
+    """``inference="server"``: its link to the inference server (set before its slots are shared)."""
+
+    @property
+    def calls_pending(self) -> bool:
+        """Env calls were sent to it and not answered yet."""
+
+    def take(self) -> tuple[int, BatchInfo]:
+        """The oldest completed batch, ``(slot, info)``; the slot is held until released."""
 
     async def grant(self, credits: int) -> None:
         """Let the worker fill ``credits`` more batches."""
@@ -49,8 +97,21 @@ class RolloutSeat(Seat, Protocol):
     async def release(self, slot: int) -> None:
         """The consumer is done with ``slot``: the worker may fill it again."""
 
-    async def serve(self, on_ready: Any, on_applied: Any) -> BaseException:
+    async def serve(self, on_ready: Callable[[Any], None], on_applied: Callable[[Any, int], Awaitable[None]]
+                    ) -> BaseException:
         """Handle the worker's reports until it fails; return its error."""
+
+    async def nudge(self) -> None:
+        """New weights are published: an idle worker applies them now."""
+
+    async def give_store(self, store: Any) -> None:
+        """Read weights from ``store`` (its own weight store: ``update_weights(worker_ids=...)``)."""
+
+    def profile(self, settings: dict[str, Any], path: str) -> None:
+        """Profile its next rollouts into ``path``."""
+
+    def profile_off(self) -> None:
+        """Drop a profiler recording in progress (no trace is written)."""
 
     async def replace(self, cfg: RolloutConfig) -> None:
         """Replace the failed worker by a new one built from ``cfg`` (same spaces, same slots)."""
@@ -146,6 +207,11 @@ class Backend(Protocol):
     """The profiler can record its workers (``Collector.enable_profile``, ``profile=``)."""
     serves_inference: bool
     """Its workers can step envs for the collector's inference server (``inference="server"``)."""
+    opens_evaluator: bool
+    """It can also run an :class:`~aiocollect.Evaluator`'s worker (``open_evaluator``)."""
+    options_name: str | None
+    """The constructor option that holds its own options (``"ray_actor_options"``), if any: only
+    that option is handed to it (:attr:`Launch.options`)."""
 
     def check_options(self, options: Any, workers: int) -> Any:
         """Check its own options as the user gave them (``ray_actor_options``) for ``workers``
@@ -164,4 +230,4 @@ class Backend(Protocol):
         return the segment (descriptor, mapping), owned by the caller."""
 
 
-__all__ = ["Backend", "EvalSeat", "Launch", "RolloutSeat", "Seat", "Sharing", "WatchedSeat"]
+__all__ = ["Backend", "EvalSeat", "Launch", "RolloutSeat", "Seat", "Sharing", "SlotViews", "WatchedSeat"]

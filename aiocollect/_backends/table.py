@@ -33,6 +33,8 @@ class ProcessBackend:
     weights_in_parent = False
     profiles = True
     serves_inference = True
+    opens_evaluator = True
+    options_name = None
 
     def check_options(self, options: Any, workers: int) -> None:
         """This backend takes no options of its own (another backend's are refused by the
@@ -70,6 +72,8 @@ class LocalBackend:
     weights_in_parent = True
     profiles = True
     serves_inference = True
+    opens_evaluator = False  # (an evaluator runs its own worker: a process, or a Ray actor)
+    options_name = None
 
     def check_options(self, options: Any, workers: int) -> None:
         """This backend takes no options of its own; it is the collector's process (``num_workers=0``)."""
@@ -118,6 +122,8 @@ class RayBackend:
     weights_in_parent = True  # (each version is shipped through Ray's object store)
     profiles = False  # (its traces would be files on the actors' machines)
     serves_inference = False  # (the server shares memory with its workers)
+    opens_evaluator = True
+    options_name = "ray_actor_options"
 
     def check_options(self, options: Any, workers: int) -> list[dict]:
         """``ray_actor_options`` as one checked dict per worker (a :class:`ConfigError` names
@@ -152,8 +158,8 @@ class RayBackend:
 #: Every backend aiocollect ships, by name.
 BACKENDS: dict[str, Any] = {"process": ProcessBackend(), "local": LocalBackend(), "ray": RayBackend()}
 
-#: The backends that also open the evaluator's worker (those with ``open_evaluator``).
-EVALUATOR_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if hasattr(b, "open_evaluator"))
+#: The backends that also open the evaluator's worker (``opens_evaluator``: they have ``open_evaluator``).
+EVALUATOR_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if b.opens_evaluator)
 
 
 def backend_choices(choices: tuple[str, ...] = tuple(BACKENDS)) -> str:
@@ -176,7 +182,7 @@ def backend_object(backend: Any) -> Backend:
     if isinstance(backend, Backend):
         return backend
     members = ("name", "weights_in_parent", "profiles", "serves_inference", "check_options", "warm_up", "start",
-               "share_slots")
+               "share_slots", "opens_evaluator", "options_name")
     missing = [m for m in members if not hasattr(backend, m)]
     listed = ", ".join(repr(c) for c in BACKENDS)
     raise ConfigError(

@@ -22,6 +22,7 @@ from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
 from .child import ChildProcess, started_pids
 from .failures import changed_spec, stop_on_failure, unpacked_error, worker_error
+from .seat import SlotViews
 from .._core.layout import SlotLayout
 from .._worker.rollout import Rollout, RolloutConfig
 from .._worker.vector import open_rollout
@@ -100,14 +101,6 @@ class CallWaiter:
         return cloudpickle.loads(answer.result)
 
 
-class _Slots:
-    """numpy views of each slot over one worker's rows of the slots' segment."""
-
-    def __init__(self, layout: SlotLayout, buffer: Any, worker: int) -> None:
-        self.layout = layout
-        self.np_views = [layout.views(buffer, s, worker) for s in range(layout.num_slots)]
-
-
 class WorkerHandle(abc.ABC):
     """What the producer sees of a rollout worker seat: the bookkeeping every kind shares (its
     batches completed, the slots it holds, its counters); each kind of worker implements the
@@ -119,7 +112,7 @@ class WorkerHandle(abc.ABC):
     """
 
     index: int
-    slots: _Slots
+    slots: SlotViews
     hung: BaseException | None = None  # set by the watchdog before it kills the worker
     # background collection: the collector's own loop serves this seat (see offloop.py), and the
     # kinds of seat whose verbs the caller's loop reaches through it (_at_home)
@@ -127,6 +120,7 @@ class WorkerHandle(abc.ABC):
     can_serve_off_loop = False
     parked = False  # serve() waits for the worker's next report, with nothing half-done (safe to cancel)
     reaches_envs = False  # env_call() works (Collector.call, get_attr, set_attr ...)
+    server_link: Any = None  # inference="server": its link to the server (the process backend's seats use it)
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -137,10 +131,17 @@ class WorkerHandle(abc.ABC):
         self.completed = 0
         self.counters: list[int] | None = None  # trajectory numbers at the end of the last batch
         self.restarts = 0
+        self.calls: dict[int, CallWaiter] = {}  # env calls sent, by id, not answered yet (the seats that reach envs)
+        self.slots = SlotViews.unset()  # (shared with it once its spec is known)
 
     @property
     def pid(self) -> int | None:
         return None
+
+    @property
+    def calls_pending(self) -> bool:
+        """Env calls were sent to it and not answered yet."""
+        return bool(self.calls)
 
     def take(self) -> tuple[int, BatchInfo]:
         """The oldest completed batch: ``(slot, info)``; the slot is held until released."""
@@ -168,6 +169,9 @@ class WorkerHandle(abc.ABC):
 
     async def nudge(self) -> None:
         """New weights are published: an idle worker applies them now."""
+
+    async def give_store(self, store: Any) -> None:
+        """Read weights from ``store`` (a seat whose policy has no weights has nothing to read)."""
 
     def profile(self, settings: dict, path: str) -> None:
         """Profile this worker's next rollouts."""
@@ -227,7 +231,6 @@ class ProcessWorker(WorkerHandle):
         self.server_link: tuple[Any, tuple[int, ...]] | None = None  # inference="server": layout, fds
         self.progress = _heartbeat.ProgressWatch()  # hangs the heartbeat cannot show (a stopped process)
         self.own_store: Any = None
-        self.calls: dict[int, CallWaiter] = {}  # env calls sent, by id, not answered yet
 
     @property
     def pid(self) -> int | None:
@@ -248,7 +251,7 @@ class ProcessWorker(WorkerHandle):
     def attach(self, layout: SlotLayout, fd: int, mm: Any) -> None:
         """Take this seat's rows of the slots' segment (``fd``: a descriptor of its own)."""
         self.fd, self.mm = fd, mm
-        self.slots = _Slots(layout, mm, self.index)
+        self.slots = SlotViews(layout, mm, self.index)
         self.monitor = _heartbeat.HeartbeatMonitor(mm, _heartbeat.heartbeat_offset(layout, self.index))
 
     async def give_slots(self, free: list[int]) -> None:
@@ -418,7 +421,7 @@ class ProcessWorker(WorkerHandle):
         if self.monitor is not None:
             self.monitor.release()
             self.monitor = None
-        self.slots = None  # type: ignore[assignment]
+        self.slots = SlotViews.unset()
         self.mm = None  # unmapped once the views are gone
 
 
@@ -527,7 +530,7 @@ class LocalWorker(LoopSeat):
         """Allocate the slots (a memfd like the process backend's, so that zero-copy batches behave
         alike); returns the segment, owned by the caller."""
         fd, self.buffer = allocate_segment(layout, f"aiocollect-{os.getpid()}-local")
-        self.slots = _Slots(layout, self.buffer, 0)
+        self.slots = SlotViews(layout, self.buffer, 0)
         self.free.extend(range(layout.num_slots))
         return fd, self.buffer
 
@@ -624,7 +627,7 @@ class LocalWorker(LoopSeat):
             self.recorder.abort()
             self.recorder = None
         self.rollout.close()
-        self.slots = None  # type: ignore[assignment]
+        self.slots = SlotViews.unset()
         self.buffer = None  # unmapped once the views are gone
 
     profiled_from = 0

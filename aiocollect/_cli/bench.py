@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_STEPS_PER_BATCH = 128  # frames per batch: workers x envs_per_worker x this
 SEED = 0
@@ -241,7 +241,7 @@ def run_async_vector(config: BenchConfig) -> Row:
 # -- aiocollect ------------------------------------------------------------------------------------
 
 
-async def _collect(config: BenchConfig, delivery: str, window: Window) -> None:
+async def _collect(config: BenchConfig, delivery: Literal["sync", "async"], window: Window) -> None:
     from .. import Collector
 
     async with Collector(
@@ -259,7 +259,7 @@ async def _collect(config: BenchConfig, delivery: str, window: Window) -> None:
                 break
 
 
-def run_aiocollect(config: BenchConfig, delivery: str) -> Row:
+def run_aiocollect(config: BenchConfig, delivery: Literal["sync", "async"]) -> Row:
     """A collector with random actions, consumed by ``async for`` on uvloop (where installed)."""
     import anyio
 

@@ -13,9 +13,12 @@ import os
 import platform
 import re
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .. import __version__
+
+if TYPE_CHECKING:  # (bench is imported when the command runs: see above)
+    from .bench import Row, Stage
 
 PROG = "python -m aiocollect"
 # distributions shown by `info`, in order ("trio": only where installed)
@@ -315,8 +318,17 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
           f"{config.seconds:g} s per setup after {config.warmup:g} s warm-up", file=out, flush=True)  # fmt: skip
     print(_bench.machine_line(_bench.machine()), file=out, flush=True)
 
-    limits: list[_bench.Row] = []
-    rows: dict[str, _bench.Row] = {}
+    limits, rows, leftovers = _run_stages(stages, progress)
+    return _report(limits, rows, leftovers, out)
+
+
+def _run_stages(stages: list[Stage], progress: Progress) -> tuple[list[Row], dict[str, Row], list[str]]:
+    """Run each setup in turn (one failing does not stop the others): the limit's runs, the
+    other setups' rows by key, and the processes a setup left running (killed)."""
+    from . import bench as _bench
+
+    limits: list[Row] = []
+    rows: dict[str, Row] = {}
     leftovers: list[str] = []
     try:
         for stage in stages:
@@ -337,6 +349,12 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         progress.close()
         _bench.shutdown_aiocollect()
+    return limits, rows, leftovers
+
+
+def _report(limits: list[Row], rows: dict[str, Row], leftovers: list[str], out: TextIO) -> int:
+    """Print the table (frames per second, ratio to the limit) and its notes; 1 if a setup failed."""
+    from . import bench as _bench
 
     limit = _bench.combine_limits(limits)
     print(f"\n{'setup':<40}{'frames/s':>12}{'ratio to limit':>16}", file=out)

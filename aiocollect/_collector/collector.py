@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Litera
 
 import anyio
 
-from . import env_calls as _env_calls
 from .._service.env_calls import not_torchrl_map_fn
-from . import resume as _resume
 from .._service.portal import Portal
 from .blocking import BlockingMixin
 from .config import CollectorConfig
@@ -29,10 +27,9 @@ from .._worker.policy import PolicySpec, classify
 from .._core.profiling import ProfileConfig
 from .run import CollectorState, Run, State  # noqa: F401 - State re-exported
 from .._service.front import Service, warn_unclosed
-from .._service.options import known_keywords
+from .._service.options import takes_options
 from .stats import CollectorStats
 from .torchrl_names import TORCHRL_ATTRIBUTES, TORCHRL_NAMES
-from .weightsync import watch_for
 from .._core.public import public
 
 if TYPE_CHECKING:  # tensordict is imported while the first collector starts (see _run)
@@ -146,64 +143,11 @@ class Collector(Service, BlockingMixin):
             )
         raise AttributeError(f"'Collector' object has no attribute {name!r}", name=name, obj=self)
 
-    @known_keywords(CollectorConfig, OTHER_NAMES)
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        num_workers: int = 1,
-        envs_per_worker: int = 1,
-        delivery: str = "sync",
-        inference: str = "worker",
-        create_env_kwargs: dict | Sequence[dict] | None = None,
-        policy_factory: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
-        policy_out_keys: Sequence[str | tuple[str, ...]] | None = None,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        max_decorrelation_steps: int = 0,
-        reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        exploration_type: Any = "random",
-        progress: bool = False,
-        seed: int | None = None,
-        prefetch: int = 0,
-        zero_copy: bool | Literal["debug"] = False,
-        shutdown_timeout: float = 5.0,
-        postproc: Callable[["TensorDict"], Any] | None = None,
-        update_at_each_batch: bool = False,
-        frames_per_update: int | None = None,
-        trajs_per_batch: int | None = None,
-        traj_format: str = "pad",
-        on_worker_failure: str = "raise",
-        max_restarts: int = 3,
-        restart_window: float | None = 60.0,
-        step_timeout: float | None = None,
-        profile: ProfileConfig | None = None,
-        check_finite: bool = False,
-        action_bounds: str = "pass",
-        device: Any = None,
-        policy_device: Any = None,
-        env_device: Any = None,
-        storing_device: Any = None,
-        worker_groups: int = 1,
-        env_batch_size: int | None = None,
-        server_priority: str = "auto",
-        server_weights: str = "copy",
-        compile_policy: bool | dict = False,
-        cudagraph_policy: bool | dict = False,
-        backend: str | Backend | None = None,
-        ray_actor_options: dict | Sequence[dict] | None = None,
-        worker_cpus: Iterable[int] | Sequence[Iterable[int]] | None = None,
-        categorical_action_encoding: bool = True,
-        recurrent_state: dict | None = None,
-    ) -> None:
-        options = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
-        self.config = CollectorConfig(**options)
+    @takes_options(CollectorConfig, OTHER_NAMES)
+    def __init__(self, *args: Any, **options: Any) -> None:
+        # (every option is written once, in CollectorConfig: its type, default and docs)
+        self.config = CollectorConfig(*args, **options)
         self._run = run = Run(self.config, self.config.chosen_backend)
-        run.shared.sync.watch = watch_for(self.config)  # a policy trained in place but never published: said once
         self._portal = portal = Portal(run)
         self._in_with = False
         # the run's tasks never refer to this object: when it is forgotten, this stops the run.
@@ -212,10 +156,10 @@ class Collector(Service, BlockingMixin):
         # traceback refers to the frames that started it, and through them to the caller's
         # batches (whose memory, lent slots, would stay mapped)
         self._finalizer = weakref.finalize(self, _finalize, run, portal)
-        run.shared.on_closed = self._finalizer.detach
+        run.when_closed(self._finalizer.detach)
         _register_iterable_dataset(type(self))
         # let the backend prepare (the launcher import what the workers need) while the caller does other things
-        run.shared.backend.warm_up(_needs(self.config))
+        run.warm_up(_needs(self.config))
 
     # -- public state -----------------------------------------------------------------------------
     @property
@@ -225,29 +169,29 @@ class Collector(Service, BlockingMixin):
     @property
     def frames(self) -> int:
         """Frames delivered so far (including those restored by :meth:`load_state_dict`)."""
-        return self._run.shared.counts.frames
+        return self._run.frames
 
     @property
     def batches(self) -> int:
         """Batches delivered so far."""
-        return self._run.shared.counts.batches
+        return self._run.batches
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
         """Process ids of the running workers (empty for the local backend; with
         ``backend="ray"``, the actors' process ids on their nodes)."""
-        return tuple(w.pid for w in self._run.shared.workers if w.pid is not None)
+        return self._run.worker_pids
 
     @property
     def policy_version(self) -> int:
         """Latest weight version published (0: the weights the policy had at start). Each
         :meth:`update_weights` adds one."""
-        return self._run.shared.sync.version
+        return self._run.policy_version
 
     @property
     def worker_versions(self) -> tuple[int, ...]:
         """Per worker, the weight version it acknowledged applying (at a batch boundary)."""
-        return tuple(self._run.shared.sync.acked)
+        return self._run.worker_versions
 
     def __repr__(self) -> str:
         return _describe(self._run)
@@ -330,11 +274,7 @@ class Collector(Service, BlockingMixin):
         :class:`CollectorClosedError` after :meth:`aclose` or once a worker's failure stopped
         the collection.
         """
-        run = self._run
-        updates, targets = run.shared.sync.request(
-            policy_or_weights, model_id, weights_dict, worker_ids, wait, started=run.state is not CollectorState.CREATED,
-        )
-        return await run.update_weights(updates, targets, wait)
+        return await self._run.update_weights(policy_or_weights, model_id, weights_dict, worker_ids, wait)
 
     # -- reaching into the workers' envs and policies --------------------------------------------
     # Each returns an awaitable in async code; called where no event loop runs (the blocking
@@ -348,7 +288,7 @@ class Collector(Service, BlockingMixin):
     def env_epoch(self) -> int:
         """The env epoch of the latest ``call``, ``set_attr`` or ``map_fn`` (0: none yet): the
         frames an env steps after it applied carry it in ``("collector", "env_epoch")``."""
-        return self._run.shared.env_calls.epoch
+        return self._run.env_epoch
 
     def call(self, name: str, *args: Any, indices: Any = None, workers: Any = None, persist: bool = False,
              **kwargs: Any) -> Any:
@@ -384,8 +324,8 @@ class Collector(Service, BlockingMixin):
             >>> # every frame with batch["collector", "env_epoch"] >= epoch stepped with it
         """
         async def set_it() -> int:
-            return (await _env_calls.reach(
-                self._run, "set_attr()", "set", name, indices=indices, workers=workers, value=values))[1]
+            return (await self._run.reach(
+                "set_attr()", "set", name, indices=indices, workers=workers, value=values))[1]
         return self._awaitable_or_blocking("set_attr()", set_it)
 
     def map_fn(self, fn: Callable[..., Any], *args: Any, indices: Any = None, workers: Any = None,
@@ -416,7 +356,7 @@ class Collector(Service, BlockingMixin):
         return self._awaitable_or_blocking("getattr_policy()", first)
 
     async def _reach(self, *args: Any, **kwargs: Any) -> list:
-        return (await _env_calls.reach(self._run, *args, **kwargs))[0]
+        return (await self._run.reach(*args, **kwargs))[0]
 
     # -- profiling and stats ---------------------------------------------------------------------
     def enable_profile(self, config: ProfileConfig | None = None, **kwargs: Any) -> ProfileConfig:
@@ -467,8 +407,7 @@ class Collector(Service, BlockingMixin):
     def stats(self) -> CollectorStats:
         """Counters and timing so far: frames, batches, frames per second, episodes and their
         mean return, worker restarts, and seconds spent per stage (see :class:`CollectorStats`)."""
-        s = self._run.shared
-        return s.stats.snapshot(s.counts.frames, s.counts.batches, s.server)
+        return self._run.stats()
 
     # -- seeding and state ------------------------------------------------------------------------
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -483,18 +422,18 @@ class Collector(Service, BlockingMixin):
         Raises :class:`ConfigError` for a seed below 0, or so large that a derived seed would
         pass torch's limit (``2**64 - 1``).
         """
-        return _resume.set_seed(self._run.shared, seed, static_seed)
+        return self._run.set_seed(seed, static_seed)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters to resume from: frames and batches delivered, the next trajectory number of
         each env (so trajectory ids stay unique after a resume), and the seeds."""
-        return _resume.state_dict(self._run.shared)
+        return self._run.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume counters from :meth:`state_dict` (before start). ``total_frames`` counts the
         restored frames; envs are reset, seeded with the saved ``next_seed`` so that a resumed
         run does not replay the same episodes."""
-        _resume.load_state_dict(self._run.shared, state)
+        self._run.load_state_dict(state)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, replay_buffer: Any = None, *, queue: Any = None, close_queue: bool = True) -> None:
@@ -574,15 +513,12 @@ class Collector(Service, BlockingMixin):
         run = self._run
         if run.state is CollectorState.CREATED:
             await run.start()
-        if run.shared.sink is not None:
+        if run.writes_to_sink:
             raise AiocollectError(
                 "this collector writes its batches into a replay buffer or a queue (start(replay_buffer=...) or "
                 "start(queue=...)); sample from the buffer, or take from the queue, instead of collecting"
             )
-        batch = await run.consume()
-        if run.shared.sync.watch is not None:
-            run.shared.sync.watch.handed_out()
-        return batch
+        return await run.consume()
 
     def pause(self) -> Any:
         """``async with collector.pause():`` no batch is delivered, and nothing is written into
@@ -593,7 +529,7 @@ class Collector(Service, BlockingMixin):
 
     @property
     def paused(self) -> bool:
-        return self._run.shared.gate.paused > 0
+        return self._run.paused
 
     def __aiter__(self) -> AsyncIterator["TensorDict"]:
         return self
@@ -623,13 +559,10 @@ def _describe(run: Run) -> str:
     c = run.config
     return (
         f"<Collector {c.create_env_fn!r} {run.state.value}: {c.num_workers} workers x "
-        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.shared.counts.frames} frames>"
+        f"{c.envs_per_worker} envs, {c.frames_per_batch} frames/batch, {run.frames} frames>"
     )
 
 
-
-# the keyword arguments of Collector() that CollectorConfig takes (all of them)
-_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(CollectorConfig))
 
 
 def _needs(config: CollectorConfig) -> Any:

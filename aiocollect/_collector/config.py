@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from .._core.datachecks import ActionBounds
 from .._core.errors import ConfigError, user_stacklevel
-from .._core.limits import MIN_FRAME_NBYTES, check_fits_in_memory, check_seed
+from .._core.profiling import ProfileConfig
+from .._core.geometry import Geometry
+from .._core.limits import MIN_FRAME_NBYTES, check_fits_in_memory
 from .._service.options import (
     POLICY_STATE,
     RAY_PLACES_ACTORS,
@@ -132,7 +134,7 @@ class CollectorConfig:
     _: dataclasses.KW_ONLY  # the rest by keyword only, as Collector() and TorchRL's collectors take them
     frames_per_batch: int
     """Frames in each delivered batch; a multiple of the number of envs that fill it."""
-    total_frames: int = -1  # (None, as TorchRL, is taken as -1 when checked)
+    total_frames: int | None = -1  # (None, as TorchRL, is taken as -1 when checked)
     """Frames to collect in all; ``-1`` (or ``None``, as TorchRL) collects forever. Not a multiple of ``frames_per_batch``:
     rounded up to the next whole batch, with a warning (as TorchRL's collectors do)."""
     num_workers: int = 1
@@ -245,7 +247,7 @@ class CollectorConfig:
     step_timeout: float | None = None
     """Seconds a worker may spend in one env ``step``/``reset`` or one policy call before it is
     declared hung (:class:`WorkerTimeoutError`, or a restart). ``None``: never."""
-    profile: Any = None
+    profile: ProfileConfig | None = None
     """A :class:`ProfileConfig`: profile from the start (same as :meth:`Collector.enable_profile`)."""
     check_finite: bool = False
     """Raise :class:`SpecError` on NaN or +-inf in an observation, a reward or a policy's action
@@ -549,13 +551,7 @@ class CollectorConfig:
     def _check_batch_shape(self) -> None:
         """``frames_per_batch`` splits evenly over the envs that fill a batch."""
         check_env_factories(self)  # (create_env_fn, create_env_kwargs: one, or a list per worker or per env)
-        envs = self.envs_per_batch
-        if self.frames_per_batch % envs:
-            who = "num_workers * envs_per_worker" if self.delivery == "sync" and self.num_workers > 1 else "envs_per_worker"
-            raise ConfigError(
-                f"frames_per_batch={self.frames_per_batch} is not a multiple of the {envs} envs that fill "
-                f"each batch ({who}); {self.frames_per_batch_fix(envs)}"
-            )
+        self.geometry  # noqa: B018 - worked out and checked now (and kept)
         for name, low in (("max_frames_per_traj", 1), ("init_random_frames", 0)):
             value = getattr(self, name)
             if value is not None:
@@ -571,7 +567,7 @@ class CollectorConfig:
 
             check_available()
         object.__setattr__(self, "exploration_type", exploration_name(self.exploration_type))
-        check_seed(self.seed, offset=self.seed_offset)
+        self.geometry.check_seed(self.seed)
         check_data_options(self.check_finite, self.action_bounds)
 
     def _check_delivery(self) -> None:
@@ -626,8 +622,6 @@ class CollectorConfig:
         if self.step_timeout is not None:
             positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
         if self.profile is not None:
-            from .._core.profiling import ProfileConfig
-
             if not isinstance(self.profile, ProfileConfig):
                 raise ConfigError(f"profile={self.profile!r} must be a ProfileConfig or None")
             bad = [w for w in self.profile.workers if w >= self.workers]
@@ -636,12 +630,6 @@ class CollectorConfig:
                     f"profile=ProfileConfig(workers={list(self.profile.workers)}) names workers {bad}, but this "
                     f"collector has {self.workers} (indices 0..{self.workers - 1})"
                 )
-
-    @property
-    def seed_offset(self) -> int:
-        """The largest seed derived from ``seed`` is ``seed + seed_offset``: env ``k`` gets
-        ``seed + k``, worker ``w``'s torch generator ``seed + total_envs + w``."""
-        return self.total_envs + self.workers - 1
 
     @property
     def lend_slots(self) -> int:
@@ -691,11 +679,11 @@ class CollectorConfig:
         have, source = probe
         keep = _shm.headroom(have)
         frame = sum(leaf.np_dtype.itemsize * math.prod(leaf.shape) for leaf in layout.leaves)
-        rows = layout.num_envs * (layout.workers if self.delivery == "sync" else 1)  # env rows of a batch
-        batch = rows * layout.frames_per_env
+        rows = layout.rows * (layout.workers if self.delivery == "sync" else 1)  # env rows of a batch
+        batch = rows * layout.frames_per_row
 
         def needs(frames: int) -> int:
-            built = type(layout).build(list(layout.leaves), layout.num_envs, frames // rows, layout.num_slots, layout.workers)
+            built = type(layout).build(list(layout.leaves), layout.rows, frames // rows, layout.num_slots, layout.workers)
             return built.nbytes + extra_nbytes + frames * frame
 
         need = needs(batch)
@@ -703,7 +691,7 @@ class CollectorConfig:
             return
         # a batch of f frames takes about f * per_frame bytes, plus what does not grow with it
         # (alignment): an estimate, then the exact figure a row of frames at a time around it
-        per_frame = frame * (layout.num_slots * layout.workers * layout.num_envs // rows + 1)
+        per_frame = frame * (layout.num_slots * layout.workers * layout.rows // rows + 1)
         largest = max((have - keep - max(need - batch * per_frame, 0)) // per_frame // rows * rows, 0)
         while needs(largest + rows) <= have - keep:
             largest += rows
@@ -732,35 +720,21 @@ class CollectorConfig:
         """Number of rollout workers (1 for the local backend)."""
         return max(self.num_workers, 1)
 
-    @property
-    def total_envs(self) -> int:
-        return self.workers * self.envs_per_worker
-
-    @property
-    def envs_per_batch(self) -> int:
-        """Envs whose frames make up one delivered batch."""
-        return self.total_envs if self.delivery == "sync" else self.envs_per_worker
-
-    @property
-    def frames_per_env(self) -> int:
-        """``T``: frames each env contributes to a batch."""
-        return self.frames_per_row()
-
-    def frames_per_row(self, sub_envs: int = 1) -> int:
-        """``T`` where each env is ``sub_envs`` rows of the batch (a vector env's sub-envs)."""
-        return self.frames_per_batch // (self.envs_per_batch * sub_envs)
-
-    def frames_per_batch_fix(self, rows: int) -> str:
-        """The way out for a ``frames_per_batch`` that is not a multiple of the ``rows`` env rows
-        filling a batch: the multiples next to it."""
-        lower, upper = multiples_around(self.frames_per_batch, rows)
-        return f"use frames_per_batch={upper}" + (f" or {lower}" if lower else "")
+    @functools.cached_property
+    def geometry(self) -> Geometry:
+        """Workers, env copies, rows and how ``frames_per_batch`` splits over them, with the seeds
+        derived from ``seed`` (single envs: one row per env; the run's own, once the workers
+        reported vector envs' sub-envs, is ``geometry.with_sub_envs(n)``). Worked out and checked
+        at construction: ``frames_per_batch`` must be a multiple of the envs that fill a batch."""
+        return Geometry(self.workers, self.envs_per_worker, self.frames_per_batch, sync=self.delivery == "sync")
 
     @property
     def total_batches(self) -> int | None:
-        return None if self.total_frames == -1 else self.total_frames // self.frames_per_batch
+        total = self.total_frames  # (None was made -1 at construction)
+        return None if total is None or total == -1 else total // self.frames_per_batch
 
     @property
     def random_steps(self) -> int:
-        """Steps of each env taken with random actions (``init_random_frames`` spread evenly)."""
-        return -(-(self.init_random_frames or 0) // self.total_envs)
+        """Frames of each env copy taken with random actions (``init_random_frames`` spread evenly
+        over the copies: :meth:`Geometry.per_copy`)."""
+        return self.geometry.per_copy(self.init_random_frames or 0)

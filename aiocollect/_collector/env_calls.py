@@ -26,59 +26,55 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 
-from .._core.errors import CollectorClosedError, ConfigError
+from .._core.errors import ConfigError
 from .._service.env_calls import EnvCallLog, message, rows_named, values_for
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .run import Run
+    from .pool import WorkerPool
 
 
 async def reach(
-    run: "Run", what: str, kind: str, name: str, args: tuple = (), kwargs: dict | None = None, *,
+    pool: "WorkerPool", what: str, kind: str, name: str, args: tuple = (), kwargs: dict | None = None, *,
     indices: Any = None, workers: Any = None, value: Any = None, persist: bool = False,
 ) -> tuple[list, int]:
-    """Apply a call to the workers' envs (``kind``: ``"call"``, ``"get"``, ``"set"``, ``"fn"``;
+    """Apply a call to the pool's envs (``kind``: ``"call"``, ``"get"``, ``"set"``, ``"fn"``;
     ``"policy"``: an attribute of worker 0's policy, or of the first of ``workers``, or of the
     inference server's); its results in row order, and the env epoch it started (0: a read).
-    Starts a collector not started yet."""
-    s = run.shared
+    The run's lifecycle (:meth:`~aiocollect._collector.run.Run.reach`) checked that the
+    workers collect."""
     kwargs = kwargs or {}
-    if not s.workers_ready and not s.phase.closing:
-        await run.start()  # (as update_weights: a call before the start starts the collector)
-    run.check_loop()
-    if kind == "policy" and s.server is not None:  # inference="server": the policy acts in this process
-        if not s.collecting:
-            raise run.closed_error(what)
-        return [s.server.policy_attr(name)], 0
-    if not all(getattr(w, "reaches_envs", False) for w in s.workers):
-        raise ConfigError(
-            f"{what} is not supported with backend={s.config.backend_name!r} (its workers cannot be reached between "
-            f"env steps); use backend='process', 'ray' or num_workers=0"
-        )
-    if not s.collecting:
-        if s.errors.error is None and not s.phase.closing:
-            raise CollectorClosedError(f"{what}: every batch of total_frames is collected, and the workers are gone")
-        raise run.closed_error(what)
-    log = s.env_calls
-    R = log.rows_per_worker = s.rows_per_worker
-    rows = rows_named(what, s.total_rows, R, s.config.workers, indices, workers)
+    if kind == "policy" and pool.server is not None:  # inference="server": the policy acts in this process
+        return [pool.server.policy_attr(name)], 0
+    check_reachable(pool, what)
+    log = pool.env_calls
+    R = log.rows_per_worker
+    rows = rows_named(what, pool.total_rows, R, pool.config.workers, indices, workers)
     if kind == "policy":
         rows = rows[:1] if workers is not None else [0]
     values = values_for(what, value, rows) if kind == "set" else None
 
     async def send(epoch: int) -> list:
-        return await _send(run, kind, name, args, kwargs, rows, values, epoch)
+        return await _send(pool, kind, name, args, kwargs, rows, values, epoch)
 
     return await log.make(kind, name, args, kwargs, rows, values, persist, send)
 
 
+def check_reachable(pool: "WorkerPool", what: str) -> None:
+    """A :class:`ConfigError` if the pool's workers cannot be reached between env steps."""
+    if not all(w.reaches_envs for w in pool.workers):
+        raise ConfigError(
+            f"{what} is not supported with backend={pool.config.backend_name!r} (its workers cannot be reached "
+            f"between env steps); use backend='process', 'ray' or num_workers=0"
+        )
+
+
 async def _send(
-    run: "Run", kind: str, name: str, args: tuple, kwargs: dict, rows: Sequence[int], values: list | None, epoch: int,
+    pool: "WorkerPool", kind: str, name: str, args: tuple, kwargs: dict, rows: Sequence[int], values: list | None,
+    epoch: int,
 ) -> list:
     """One EnvCall per worker that holds some of ``rows``, concurrently; the results in the order
     of ``rows``; the first worker's error (in worker order) if any raised."""
-    s = run.shared
-    R = s.env_calls.rows_per_worker
+    R = pool.env_calls.rows_per_worker
     per: dict[int, list[tuple[int, int]]] = {}
     for i, r in enumerate(rows):
         per.setdefault(r // R, []).append((r % R, i))
@@ -86,12 +82,12 @@ async def _send(
     errors: dict[int, BaseException] = {}
 
     async def one(w: int, mine: list[tuple[int, int]]) -> None:
-        msg = message(s.env_calls.next_id(), kind, name, args, kwargs, values, mine, epoch)
+        msg = message(pool.env_calls.next_id(), kind, name, args, kwargs, values, mine, epoch)
         if kind == "policy":
             msg = dataclasses.replace(msg, rows=None)
         try:
-            with s.env_calls.sending(w, epoch):
-                got = await s.workers[w].env_call(msg)
+            with pool.env_calls.sending(w, epoch):
+                got = await pool.workers[w].env_call(msg)
         except Exception as exc:  # noqa: BLE001 - raised below, the first worker's first
             errors[w] = exc
             return
@@ -106,4 +102,4 @@ async def _send(
     return out
 
 
-__all__ = ["EnvCallLog", "reach"]
+__all__ = ["EnvCallLog", "check_reachable", "reach"]

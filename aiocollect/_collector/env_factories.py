@@ -10,13 +10,32 @@ index of its factory in ``("collector", "env_fn_index")``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._core.errors import ConfigError, SpecError
 from .._service.options import check_env_id, check_kwargs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import CollectorConfig
+    from .._core.geometry import Geometry
+
+
+class EnvOptions(Protocol):
+    """The options these read (the collector's :class:`~aiocollect.CollectorConfig`)."""
+
+    @property
+    def create_env_fn(self) -> Any: ...
+
+    @property
+    def create_env_kwargs(self) -> Any: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def envs_per_worker(self) -> int: ...
+
+    @property
+    def geometry(self) -> Geometry: ...
 
 
 def listed(value: Any) -> bool:
@@ -24,23 +43,23 @@ def listed(value: Any) -> bool:
     return isinstance(value, (list, tuple))
 
 
-def has_factory_list(config: "CollectorConfig") -> bool:
+def has_factory_list(config: EnvOptions) -> bool:
     """Whether the envs have factories (or keyword arguments) of their own."""
     return listed(config.create_env_fn) or listed(config.create_env_kwargs)
 
 
-def _lengths(config: "CollectorConfig") -> str:
+def _lengths(config: EnvOptions) -> str:
     workers = "" if config.num_workers == 0 else f"num_workers={config.num_workers} (one per worker) or "
     per_env = (
-        f"the {config.total_envs} envs (one per env: num_workers={config.num_workers} x envs_per_worker="
+        f"the {config.geometry.total_envs} envs (one per env: num_workers={config.num_workers} x envs_per_worker="
         f"{config.envs_per_worker})" if config.num_workers else
         f"envs_per_worker={config.envs_per_worker} (one per env; with num_workers=0 the envs share one process)"
     )
     return workers + per_env
 
 
-def _check_length(config: "CollectorConfig", name: str, value: list | tuple) -> None:
-    allowed = {config.total_envs} | ({config.num_workers} if config.num_workers else set())
+def _check_length(config: EnvOptions, name: str, value: list | tuple) -> None:
+    allowed = {config.geometry.total_envs} | ({config.num_workers} if config.num_workers else set())
     if len(value) not in allowed:
         raise ConfigError(
             f"{name} is a list of {len(value)} entries ({value!r:.200}); it must have as many as {_lengths(config)}; "
@@ -50,7 +69,7 @@ def _check_length(config: "CollectorConfig", name: str, value: list | tuple) -> 
         )
 
 
-def check_env_factories(config: "CollectorConfig") -> None:
+def check_env_factories(config: EnvOptions) -> None:
     """``create_env_fn`` and ``create_env_kwargs``: single, or lists (made tuples) of one per
     worker or per env, each entry a gymnasium id or a callable (a dict of str keys or ``None``);
     two lists of the same length. Raises :class:`ConfigError` naming the entry or the lengths."""
@@ -89,13 +108,13 @@ def check_env_factories(config: "CollectorConfig") -> None:
     object.__setattr__(config, "create_env_kwargs", kwargs)
 
 
-def env_ids(config: "CollectorConfig") -> list[str]:
+def env_ids(config: EnvOptions) -> list[str]:
     """The gymnasium ids among ``create_env_fn`` (one or a list)."""
     fns = config.create_env_fn if listed(config.create_env_fn) else (config.create_env_fn,)
     return [fn for fn in fns if isinstance(fn, str)]
 
 
-def worker_factories(config: "CollectorConfig", worker: int) -> dict[str, Any]:
+def worker_factories(config: EnvOptions, worker: int) -> dict[str, Any]:
     """What :class:`~aiocollect._worker.rollout.RolloutConfig` gets for ``worker``: ``env_fn``,
     ``env_kwargs`` (one for all its envs, or a tuple of one per env) and ``env_fn_index`` (per env
     of the worker: its entry in the lists; ``None`` without lists)."""
@@ -105,7 +124,7 @@ def worker_factories(config: "CollectorConfig", worker: int) -> dict[str, Any]:
         return {"env_fn": fns, "env_kwargs": dict(kwargs or {}), "env_fn_index": None}
     E = config.envs_per_worker
     length = len(fns) if listed(fns) else len(kwargs)
-    if length == config.total_envs:
+    if length == config.geometry.total_envs:
         index = tuple(range(worker * E, (worker + 1) * E))
     else:  # one per worker
         index = (worker,) * E

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 import queue as thread_queue
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 
@@ -34,6 +34,14 @@ from .._service.resource import loop_token
 # the kinds of queue: put() into an asyncio.Queue, send() into an anyio stream or a trio channel
 _ASYNCIO, _STREAM, _THREAD = "asyncio.Queue", "send stream", "queue.Queue"
 _FULL_POLL = 0.002  # seconds between tries to put into a full thread queue
+
+
+class Sink(Protocol):
+    """What background collection writes its batches into: a replay buffer (aiocollect's, or
+    TorchRL's, any object with ``extend(batch)``, possibly ``async``), or a :class:`QueueSink`."""
+
+    def extend(self, batch: Any) -> Any:
+        """Take ``batch`` (may return an awaitable)."""
 
 
 class QueueSink:
@@ -91,7 +99,7 @@ def writes_on_user_loop(sink: Any) -> bool:
     return inspect.iscoroutinefunction(getattr(sink, "extend", None))
 
 
-def sink_for(replay_buffer: Any, queue: Any, close_queue: bool) -> Any:
+def sink_for(replay_buffer: Any, queue: Any, close_queue: bool) -> Sink | None:
     """What ``start(replay_buffer=..., queue=..., close_queue=...)`` writes into (``None``: no
     background delivery). Raises :class:`ConfigError` for both, a queue of an unknown kind, or
     a queue that cannot run on the current event loop."""
@@ -156,4 +164,4 @@ def _is_send_stream(queue: Any) -> bool:
     return trio is not None and isinstance(queue, trio.abc.SendChannel)
 
 
-__all__ = ["QueueSink", "sink_for"]
+__all__ = ["QueueSink", "Sink", "sink_for"]

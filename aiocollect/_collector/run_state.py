@@ -1,39 +1,39 @@
 """What a collector's run shares between its parts: :class:`RunState`.
 
 The run's lifecycle (:class:`~aiocollect._collector.run.Run`: start, its tasks, stop, close)
-owns one; the modules that work on it (the producer, the start-up, the supervisor, the seeds
-and counters of ``state_dict``, the profiling) receive it, never the ``Run``. Its phase
-(:class:`Phase`) is the run's one lifecycle variable: each phase reports one public
+owns one. Its parts are owners of their own, each built with what it needs: the worker pool
+(:class:`~aiocollect._collector.pool.WorkerPool`: seats, rollout configs, slots, the inference
+server, restarts, kept env calls), the delivery (:class:`Delivery`: the batch stream, the sink,
+the pause gate, the counters; filled by the :class:`~aiocollect._collector.producer.Producer`),
+the weights (:class:`~aiocollect._collector.weightsync.WeightSync`) and the profiling. Those
+parts never receive the run itself: what they tell it goes through hooks it gives them. Its
+phase (:class:`Phase`) is the run's one lifecycle variable: each phase reports one public
 :class:`CollectorState`, and :meth:`RunState.move_to` is the one place that changes it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import threading
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 
 from .. import events as ev
-from .._core.layout import SlotLayout
+from .._core.phases import Lifecycle, _PhaseError, checked_table
 from .._core.profiling import RunProfiling
 from .._core.public import public
 from .._service.bus import EventBus
-from .._service.supervisor import RestartBudget
 from .config import CollectorConfig
-from .env_calls import EnvCallLog
+from .delivery import Counters, Delivery, PauseGate
+from .pool import PoolHooks, Resume, Seeding, WorkerPool
+from .producer import Producer, ProducerHooks
 from .stats import Stats
 from .weightsync import WeightSync
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .._backends.seat import Backend
-    from .._backends.workers import WorkerHandle
-    from .._worker.rollout import RolloutConfig
+    from .._backends.seat import Backend, RolloutSeat
     from .offloop import CollectorLoop
-    from .producer import Producer
 
 
 @public
@@ -85,7 +85,7 @@ class Phase(enum.Enum):
 _CLOSING = frozenset({Phase.CANCELLING_START, Phase.CLOSING, Phase.STOPPED_CLOSING, Phase.CLOSED})
 
 #: the moves a run may make; anything else is a bug of the library
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+TRANSITIONS: dict[Phase, frozenset[Phase]] = checked_table(Phase, {
     Phase.CREATED: frozenset({Phase.STARTING, Phase.CLOSED}),
     Phase.STARTING: frozenset({Phase.RUNNING, Phase.CANCELLING_START, Phase.LAUNCH_FAILED, Phase.STOPPED}),
     Phase.CANCELLING_START: frozenset({Phase.STOPPED_CLOSING, Phase.LAUNCH_FAILED}),
@@ -98,40 +98,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.STOPPED_CLOSING: frozenset({Phase.CLOSED}),
     Phase.ENDED: frozenset({Phase.STOPPED_CLOSING, Phase.CLOSED}),
     Phase.CLOSED: frozenset(),
-}
-
-
-class _PhaseError(AssertionError):
-    """A run was asked to make a move between phases that its lifecycle does not allow: a bug
-    of aiocollect, never of its user."""
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the consumers received and the workers collected (``state_dict``, progress)."""
-
-    frames: int = 0  # delivered
-    batches: int = 0  # delivered
-    collected: int = 0  # frames collected by the workers (total_frames counts these)
-    requested: int = 0  # batches the consumers asked for
-    traj_counters: list[int] | None = None  # each env row's trajectory id, as last delivered
-    start_counters: list[int] | None = None  # those restored by load_state_dict
-
-
-@dataclasses.dataclass
-class Seeding:
-    seed: int | None = None
-    static_seed: bool = False  # every env reset with ``seed`` itself, not ``seed + k``
-
-
-@dataclasses.dataclass
-class SlotMemory:
-    """The batch slots in shared memory, and how they are laid out."""
-
-    layout: SlotLayout | None = None
-    segment: tuple[int, Any] | None = None  # the slots' memfd and the collector's mapping of it
-    views: list[dict] = dataclasses.field(default_factory=list)  # per slot: every worker's rows (numpy views)
-    sub_envs: int = 1  # of each env: a vector env's num_envs (learned from the workers' specs)
+})
 
 
 @dataclasses.dataclass
@@ -141,107 +108,63 @@ class RunErrors:
     pending: BaseException | None = None  # a worker failed: raised after its completed batches
 
 
-class PauseGate:
-    """``collector.pause()``: while a pause is held, no batch is delivered or written. Its
-    events live on the loop of the run's data plane: in background collection, the collector's
-    own loop (a pause taken on the caller's loop is taken there)."""
-
-    def __init__(self, wake: Callable[[], None], home: Callable[[], "CollectorLoop | None"]) -> None:
-        self.paused = 0  # pauses held (they nest)
-        self.resume = anyio.Event()
-        self.resume.set()
-        self.writing: anyio.Event | None = None  # set when a write into the sink ends
-        self._wake = wake
-        self._home = home
-
-    async def wait_open(self) -> None:
-        while self.paused:
-            await self.resume.wait()
-
-    async def _there(self, fn: Callable[[], Any]) -> None:
-        home = self._home()
-        if home is not None and not home.on_thread():
-            await home.to_thread(fn)
-        else:
-            await fn()
-
-    async def _enter(self) -> None:
-        self.paused += 1
-        if self.paused == 1:
-            self.resume = anyio.Event()
-        try:
-            if self.writing is not None:
-                await self.writing.wait()  # a write in progress finishes first
-        except BaseException:
-            await self._exit()
-            raise
-
-    async def _exit(self) -> None:
-        self.paused -= 1
-        if self.paused == 0:
-            self.resume.set()
-            self._wake()
-
-    @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
-        entered = False
-        try:
-            await self._there(self._enter)
-            entered = True
-            yield
-        finally:
-            if entered:
-                with anyio.CancelScope(shield=True):
-                    await self._there(self._exit)
-
-
 class RunState:
     """The state one run's parts share (see the module docstring)."""
 
     def __init__(self, config: CollectorConfig, backend: "Backend") -> None:
         c = self.config = config
-        self.backend = backend  # where the workers run
-        self.phase = Phase.CREATED
+        self.life = Lifecycle(Phase.CREATED, TRANSITIONS, "a collector's run")
         self.bus = EventBus()
         self.stats = Stats()
-        self.counts = Counters()
         self.seeding = Seeding(seed=c.seed)
-        self.slots = SlotMemory()
         self.errors = RunErrors()
-        self.gate = PauseGate(self.wake, lambda: self.home)
-        self.profiling = RunProfiling(self, c.profile)
         # (stores in process memory for the local backend, and for Ray, which ships each version)
         self.sync = WeightSync(c.policy, backend.weights_in_parent, self.emit, c.workers, serving=c.inference == "server")
-        self.budget = RestartBudget(c.max_restarts, c.restart_window)
-        self.env_calls = EnvCallLog()  # env epochs, and the env calls a replacement worker applies again
-        self.workers: list[WorkerHandle] = []
-        self.configs: list[RolloutConfig] = []
-        self.workers_ready = False  # started, and their slots shared
-        self.server: Any = None  # inference="server": the run's InferenceServer
+        self.pool = WorkerPool(config, backend, self.sync, PoolHooks(
+            wake=self.wake, applied=self.applied, emit=self.emit, worker_failed=self.worker_failed,
+            collecting=lambda: self.collecting, restarted=self.stats.restarted,
+        ))
+        self.delivery = Delivery(PauseGate(self.wake, lambda: self.home), Counters())
+        self.profiling = RunProfiling(c.profile, self.pool, self.emit_event,
+                                      lambda: self.producer.rounds if self.producer is not None else 0)
         self.producer: Producer | None = None
-        self.send: Any = None  # the producer's side of the batch stream
         self.stop = anyio.Event()  # the run's task stops the workers once set (made anew at start)
-        self.sink: Any = None  # start(replay_buffer=...)
         # background collection: the collector's own loop (a thread) that runs the data plane
         self.home: CollectorLoop | None = None
-        self._moving = threading.RLock()  # (the phase moves on the caller's loop and in that thread)
         # called once, on entering CLOSED, whatever closed the run (aclose(), a refused or failed
         # start, a finalizer): its owner lets go there of what would keep the run alive (the
         # Collector's finalizer, registered in a global registry)
         self.on_closed: Callable[[], Any] | None = None
-        self.bar: Any = None  # progress bar
+
+    def new_producer(self) -> Producer:
+        """The producer of a starting run, built with the parts it works on."""
+        self.producer = Producer(self.config, self.pool, self.delivery, self.sync, self.profiling, self.stats,
+                                 ProducerHooks(
+                                     pending=lambda: self.errors.pending, emit=self.emit, emit_event=self.emit_event,
+                                     listens_to=self.bus.listens_to, finish=self.finish,
+                                     request_stop=self.request_stop, pull_weights=self.pull_weights,
+                                 ))
+        return self.producer
+
+    def resume_point(self) -> Resume:
+        """Where the start-up resumes from (``load_state_dict``, ``set_seed``)."""
+        counts = self.delivery.counts
+        return Resume(self.seeding.seed, self.seeding.static_seed, counts.start_counters, counts.frames)
 
     # -- the phase ------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        """The run's phase (:meth:`move_to` changes it; it moves on the caller's loop and in
+        background collection's thread)."""
+        return self.life.phase
+
     @property
     def public_state(self) -> CollectorState:
         return self.phase.public
 
     def move_to(self, phase: Phase) -> None:
         """Enter ``phase``; :class:`_PhaseError` for a move the lifecycle does not allow."""
-        with self._moving:
-            if phase not in TRANSITIONS[self.phase]:
-                raise _PhaseError(f"a collector's run cannot go from {self.phase.name} to {phase.name}")
-            self.phase = phase
+        self.life.move_to(phase)
         if phase is Phase.CLOSED and self.on_closed is not None:
             on_closed, self.on_closed = self.on_closed, None
             on_closed()
@@ -254,7 +177,7 @@ class RunState:
 
     def finish(self) -> None:
         """Every batch is collected: the workers will collect no more (nobody waits for them)."""
-        with self._moving:
+        with self.life.moving:
             if self.phase is Phase.RUNNING:
                 self.move_to(Phase.FINISHED)
         self.on_user_loop(self.sync.notify)
@@ -265,6 +188,10 @@ class RunState:
         data plane), else ``None``: what the caller's loop owns must be asked of it."""
         home = self.home
         return home if home is not None and home.on_thread() else None
+
+    def run_at(self, home: "CollectorLoop | None") -> None:
+        """Background collection's data plane runs in ``home`` from now on (``None``: no more)."""
+        self.home = home
 
     def on_user_loop(self, fn: Callable[[], Any]) -> None:
         """Call ``fn()`` on the caller's loop: now if we are on it, else soon."""
@@ -300,16 +227,6 @@ class RunState:
             home.post_user(self.sync.on_applied, worker, version)
 
     # -- shared helpers -------------------------------------------------------------------------
-    @property
-    def rows_per_worker(self) -> int:
-        """Env rows of each worker's batch (its sub-envs, for vector envs)."""
-        return self.config.envs_per_worker * self.slots.sub_envs
-
-    @property
-    def total_rows(self) -> int:
-        """Env rows of all workers (the number of envs, counting each sub-env of a vector env)."""
-        return self.config.total_envs * self.slots.sub_envs
-
     async def emit(self, event_type: type[ev.Event], **fields: Any) -> None:
         """Build and emit an event, only if someone listens (events cost nothing otherwise)."""
         if self.bus.listens_to(event_type):
@@ -324,7 +241,7 @@ class RunState:
         else:
             await home.to_user(self.bus.emit, event)
 
-    def wake(self, worker: "WorkerHandle | None" = None) -> None:
+    def wake(self, worker: "RolloutSeat | None" = None) -> None:
         if self.producer is not None:
             self.producer.wake(worker)
 
@@ -336,13 +253,4 @@ class RunState:
         self.wake()
 
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .._service.supervisor import SupervisedRun, SupervisedWorker
-
-    def _supervised(run: RunState, worker: WorkerHandle) -> tuple[SupervisedRun, SupervisedWorker]:
-        """(For mypy: the run's state and its seats are what the supervisor and the watchdog
-        drive, whose tasks are started untyped.)"""
-        return run, worker
-
-
-__all__ = ["CollectorState", "Counters", "Phase", "_PhaseError", "RunState", "State", "TRANSITIONS"]
+__all__ = ["CollectorState", "Counters", "Delivery", "Phase", "_PhaseError", "RunState", "State", "TRANSITIONS"]

@@ -57,6 +57,14 @@ class Stats:
         self.timing = {"env": 0.0, "policy": 0.0, "wait": 0.0, "delivery": 0.0}
         self.server: dict[str, float] | None = None  # the inference server's totals when it stopped
 
+    def restarted(self) -> None:
+        """A worker was replaced after a failure."""
+        self.restarts += 1
+
+    def server_stopped(self, server: Any) -> None:
+        """The inference server stops: keep its totals (:meth:`snapshot` reports them after)."""
+        self.server = self.server_totals(server)
+
     @staticmethod
     def server_totals(server: Any) -> dict[str, float]:
         return {"passes": float(server.forward_passes), "rows": float(server.rows_served), "seconds": server.busy}

@@ -14,6 +14,7 @@ import numpy as np
 from gymnasium import spaces
 
 from .errors import SpecError
+from .geometry import Geometry
 
 #: a nested key of a batch, as a tuple (``("next", "reward")``; ``("action",)`` for a top-level one)
 Key = tuple[str, ...]
@@ -221,32 +222,39 @@ class SlotLayout:
     """Where each leaf of the batch slots lives in the workers' shared-memory segment.
 
     One segment holds ``num_slots`` slots for all ``workers``; in a slot, each leaf is one array of
-    ``workers * num_envs`` env rows, worker ``w`` writing rows ``w * num_envs`` to
-    ``(w + 1) * num_envs``. So the parts of a sync batch that sit in the same slot of every worker
-    are one contiguous array per leaf: the batch is a view (``zero_copy``) or one copy per leaf.
+    ``workers * rows`` env rows of ``frames_per_row`` frames, worker ``w`` writing rows
+    ``w * rows`` to ``(w + 1) * rows``. So the parts of a sync batch that sit in the same slot of
+    every worker are one contiguous array per leaf: the batch is a view (``zero_copy``) or one
+    copy per leaf. (Rows and frames mean what they mean in :class:`~aiocollect._core.geometry.Geometry`:
+    a row is a single env or one sub-env of a vector env.)
     """
 
     leaves: tuple[Leaf, ...]
-    num_envs: int  # per worker
-    frames_per_env: int
+    rows: int  # of each worker (Geometry.rows_per_worker)
+    frames_per_row: int  # T (Geometry.frames_per_row)
     num_slots: int
     offsets: tuple[int, ...]
     slot_nbytes: int
     workers: int = 1
 
     @classmethod
-    def build(
-        cls, leaves: list[Leaf], num_envs: int, frames_per_env: int, num_slots: int, workers: int = 1
-    ) -> "SlotLayout":
+    def build(cls, leaves: list[Leaf], rows: int, frames_per_row: int, num_slots: int, workers: int = 1) -> "SlotLayout":
+        """The layout of ``num_slots`` slots of ``workers`` workers' ``rows`` rows each of
+        ``frames_per_row`` frames of ``leaves``."""
         offsets = []
         pos = 0
         for leaf in leaves:
-            nbytes = workers * num_envs * frames_per_env * int(np.prod(leaf.shape, dtype=np.int64)) * leaf.np_dtype.itemsize
+            nbytes = workers * rows * frames_per_row * int(np.prod(leaf.shape, dtype=np.int64)) * leaf.np_dtype.itemsize
             pos = -(-pos // _ALIGN) * _ALIGN
             offsets.append(pos)
             pos += nbytes
         slot_nbytes = -(-max(pos, 1) // 4096) * 4096  # page-aligned: a slot can be mapped alone
-        return cls(tuple(leaves), num_envs, frames_per_env, num_slots, tuple(offsets), slot_nbytes, workers)
+        return cls(tuple(leaves), rows, frames_per_row, num_slots, tuple(offsets), slot_nbytes, workers)
+
+    @classmethod
+    def of(cls, geometry: Geometry, leaves: list[Leaf], num_slots: int) -> "SlotLayout":
+        """The layout of ``num_slots`` slots of ``geometry``'s workers, rows and frames per row."""
+        return cls.build(leaves, geometry.rows_per_worker, geometry.frames_per_row, num_slots, geometry.workers)
 
     @property
     def nbytes(self) -> int:
@@ -262,13 +270,13 @@ class SlotLayout:
         """numpy views of one slot over ``buffer`` (a mapping of the segment, or with
         ``mapped_slot`` of that slot alone): worker ``worker``'s rows, or every worker's."""
         base = 0 if mapped_slot else slot * self.slot_nbytes
-        rows = self.num_envs * self.workers
+        rows = self.rows * self.workers
         out = {}
         for leaf, off in zip(self.leaves, self.offsets):
-            shape = (rows, self.frames_per_env) + leaf.shape
+            shape = (rows, self.frames_per_row) + leaf.shape
             count = int(np.prod(shape, dtype=np.int64))
             array = np.frombuffer(buffer, dtype=leaf.np_dtype, count=count, offset=base + off).reshape(shape)
             if worker is not None:
-                array = array[worker * self.num_envs : (worker + 1) * self.num_envs]
+                array = array[worker * self.rows : (worker + 1) * self.rows]
             out[leaf.key] = array
         return out

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import string
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 from .errors import ConfigError
 from .public import public
@@ -177,7 +177,7 @@ class Recorder:
 
 class ProfiledWorker(Protocol):
     """A worker seat, as the profiler drives it (the collector's seats:
-    :class:`~aiocollect._backends.workers.WorkerHandle`)."""
+    :class:`~aiocollect._backends.seat.RolloutSeat`)."""
 
     @property
     def index(self) -> int: ...
@@ -204,16 +204,9 @@ class _ProfiledConfig(Protocol):
     def num_workers(self) -> int: ...
 
 
-class _Rounds(Protocol):
-    @property
-    def rounds(self) -> int:
-        """Worker batches collected so far."""
-        ...
-
-
-class ProfiledRun(Protocol):
-    """A collector's run, as its profiling reads it (the collector's:
-    :class:`~aiocollect._collector.run_state.RunState`)."""
+class ProfiledPool(Protocol):
+    """A collector's worker pool, as its profiling reads it (the collector's:
+    :class:`~aiocollect._collector.pool.WorkerPool`)."""
 
     @property
     def config(self) -> _ProfiledConfig: ...
@@ -221,28 +214,23 @@ class ProfiledRun(Protocol):
     @property
     def workers(self) -> Sequence[ProfiledWorker]: ...
 
-    @property
-    def producer(self) -> _Rounds | None:
-        """What counts the run's rounds, once it started."""
-        ...
-
-    async def emit_event(self, event: Event) -> None:
-        """Emit ``event`` to the run's handlers and subscriptions."""
-
 
 class RunProfiling:
     """A run's profiling: which workers record their next rollouts, the collector process's own
     recorder, and the traces they announce (:class:`~aiocollect.events.ProfileTraceReady`)."""
 
-    def __init__(self, run: ProfiledRun, config: ProfileConfig | None) -> None:
-        self.run = run
+    def __init__(self, config: ProfileConfig | None, pool: ProfiledPool, emit_event: Callable[[Event], Awaitable[None]],
+                 rounds: Callable[[], int]) -> None:
         self.config = config
+        self.pool = pool  # the workers it records
+        self._emit_event = emit_event  # ProfileTraceReady, to the run's handlers and subscriptions
+        self._rounds = rounds  # worker batches collected so far
         self.recorder: Recorder | None = None  # the collector process's, when profile_collector
         self.recorder_from = 0  # the producer's round the recording started at
         self.local_trace = False  # the local worker's trace is the collector's
 
     def check(self, config: ProfileConfig) -> None:
-        workers = self.run.config.workers
+        workers = self.pool.config.workers
         bad = [w for w in config.workers if w >= workers]
         if bad:
             raise ConfigError(
@@ -259,25 +247,25 @@ class RunProfiling:
 
     def start(self) -> None:
         """Profile the next rollouts of the chosen workers (and of the collector's process)."""
-        p, run = self.config, self.run
+        p, pool = self.config, self.pool
         if p is None:
             return
-        if run.config.num_workers == 0 and p.profile_collector:
+        if pool.config.num_workers == 0 and p.profile_collector:
             # The local backend's rollouts run in this process, which has one profiler: the
             # collector's trace is recorded around the local worker's batches (they hold the env
             # steps and the policy's passes; the rounds' delivery runs between them, recorded too).
             # Around the producer's rounds instead, a rollout filled ahead (prefetch) would be
             # missed: which one is up to the event loop's scheduling.
             self.local_trace = True
-            for w in run.workers:
+            for w in pool.workers:
                 w.profile(p.for_worker(), p.path_for("collector"))
             return
-        for w in run.workers:
+        for w in pool.workers:
             if w.index in p.workers:
                 w.profile(p.for_worker(), p.path_for(w.index))
         if p.profile_collector:
             self.recorder = Recorder(p.for_worker(), p.path_for("collector"))
-            self.recorder_from = run.producer.rounds if run.producer is not None else 0
+            self.recorder_from = self._rounds()
 
     def abort_collector(self) -> None:
         if self.recorder is not None:
@@ -288,7 +276,7 @@ class RunProfiling:
         self.config = None
         self.local_trace = False
         self.abort_collector()
-        for w in self.run.workers:
+        for w in self.pool.workers:
             w.profile_off()
 
     async def trace_ready(self, worker: int | None, path: str) -> None:
@@ -300,10 +288,10 @@ class RunProfiling:
             result = p.on_trace_ready(event)
             if inspect.isawaitable(result):
                 await result
-        await self.run.emit_event(event)
+        await self._emit_event(event)
 
     async def announce_traces(self) -> None:
-        for w in self.run.workers:
+        for w in self.pool.workers:
             while w.traces:
                 await self.trace_ready(None if self.local_trace else w.index, w.traces.pop(0))
 

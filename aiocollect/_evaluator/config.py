@@ -1,11 +1,14 @@
 """The evaluator's options and what follows from them: :class:`EvaluatorConfig` (validated at
-construction, before any process starts), :class:`EvaluatorState`, the settings its worker gets
-(:func:`worker_setup`) and the checks and CPU snapshots of the weights given to an evaluation."""
+construction, before any process starts; the one place the options are written, which
+:func:`~aiocollect._service.options.takes_options` makes ``Evaluator()``'s signature), :class:`EvaluatorState`, the settings its
+worker gets (:func:`worker_setup`) and the checks and CPU snapshots of the weights given to an
+evaluation."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import itertools
 import os
 import sys
@@ -19,6 +22,7 @@ from .._service.options import (
     RAY_PLACES_ACTORS,
     RESTART_OPTIONS,
     Needs,
+    known_keywords,
     check_bool,
     check_choice,
     check_int,
@@ -65,6 +69,7 @@ EVALUATOR_MODE_OPTIONS: tuple[Needs, ...] = (
 """The evaluator's options that mean something only under another setting."""
 
 
+
 @public
 class EvaluatorState(enum.Enum):
     """Lifecycle of an :class:`Evaluator`."""
@@ -92,6 +97,7 @@ class EvaluatorConfig:
     """``None`` (random actions), an ``nn.Module`` on the observation tensor, a
     ``TensorDictModule`` or any callable taking and returning a TensorDict. Copied (pickled) at
     construction; later changes reach evaluations only through ``weights=``."""
+    _: dataclasses.KW_ONLY  # the rest by keyword only, as Evaluator() takes them
     policy_factory: Callable[[], Any] | None = None
     """Builds the policy in the worker instead of copying ``policy``."""
     num_trajectories: int = 10
@@ -195,17 +201,7 @@ class EvaluatorConfig:
 
     def __post_init__(self) -> None:
         check_platform("Evaluator")
-        env = self.env
-        if isinstance(env, str):
-            check_env_id(env, "env")
-        elif not callable(env):
-            raise ConfigError(
-                f"env={env!r:.200} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
-                f"{env_factory_fix(env)}"
-            )
-        check_policy_args(self.policy, self.policy_factory)
-        if self.policy_factory is not None and not callable(self.policy_factory):
-            raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable; pass a function that builds the policy")
+        self._check_env_and_policy()
         positive_int("num_trajectories", self.num_trajectories, fix="pass the number of episodes per evaluation")
         if self.max_steps is not None:
             positive_int("max_steps", self.max_steps, fix="pass None to let episodes run to their end")
@@ -227,15 +223,7 @@ class EvaluatorConfig:
         check_int("nice", self.nice, 0, 19, fix="0 is the trainer's own priority, 19 the lowest")
         positive_seconds("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
         check_data_options(self.check_finite, self.action_bounds)
-        check_choice(
-            "on_worker_failure", self.on_worker_failure, ("raise", "restart"),
-            "'raise' (fail the evaluation) or 'restart' (run it again on a new worker)",
-        )
-        positive_int("max_restarts", self.max_restarts, allow_zero=True, fix="it bounds the new workers within restart_window")
-        if self.restart_window is not None:
-            positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
-        if self.step_timeout is not None:
-            positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
+        self._check_restarts()
         self._check_backend()
         check_bool("record_video", self.record_video)
         check_needs(self, EVALUATOR_MODE_OPTIONS)
@@ -257,6 +245,32 @@ class EvaluatorConfig:
             )
         self.chosen_backend.check_options(self.ray_actor_options, 1)  # (its own options: Ray's actor's)
         self._check_video()
+
+    def _check_env_and_policy(self) -> None:
+        """``env`` (an env id or a callable) and the policy (or its factory)."""
+        env = self.env
+        if isinstance(env, str):
+            check_env_id(env, "env")
+        elif not callable(env):
+            raise ConfigError(
+                f"env={env!r:.200} is neither a gymnasium env id nor a callable returning a gymnasium.Env; "
+                f"{env_factory_fix(env)}"
+            )
+        check_policy_args(self.policy, self.policy_factory)
+        if self.policy_factory is not None and not callable(self.policy_factory):
+            raise ConfigError(f"policy_factory={self.policy_factory!r} is not callable; pass a function that builds the policy")
+
+    def _check_restarts(self) -> None:
+        """What a worker's failure does, and the budget and watchdog of ``"restart"``."""
+        check_choice(
+            "on_worker_failure", self.on_worker_failure, ("raise", "restart"),
+            "'raise' (fail the evaluation) or 'restart' (run it again on a new worker)",
+        )
+        positive_int("max_restarts", self.max_restarts, allow_zero=True, fix="it bounds the new workers within restart_window")
+        if self.restart_window is not None:
+            positive_seconds("restart_window", self.restart_window, "or None to count over the evaluator's whole life")
+        if self.step_timeout is not None:
+            positive_seconds("step_timeout", self.step_timeout, "or None to wait for ever")
 
     def _check_video(self) -> None:
         if self.video_dir is not None:  # (with record_video: the table of options says so)

@@ -9,17 +9,17 @@ their messages :mod:`aiocollect._core.eval_wire` and the worker itself :mod:`aio
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable
 
 import anyio
-import numpy as np
 
 from .._core.errors import ConfigError, EvaluatorBusyError, EvaluatorClosedError
+from .._service.options import takes_options
 from .config import EvaluatorConfig, EvaluatorState, check_request, weights_payload, worker_setup
+from .lifecycle import EvalPhase
 from .run import EvalRun, in_event_loop
 from .._service.env_calls import not_torchrl_map_fn, rows_named, values_for
 from .._service.front import Service, warn_unclosed
-from .._service.options import known_keywords
 from .._core.public import public
 
 __all__ = [
@@ -120,7 +120,7 @@ class Evaluator(Service):
     _closed_error = EvaluatorClosedError
     _ended = "the evaluator closed"
 
-    @known_keywords(EvaluatorConfig, {
+    @takes_options(EvaluatorConfig, {
         "create_env_fn": "pass the env id or factory first, or as env=",
         "create_env_kwargs": "use env_kwargs=",
         "num_episodes": "use num_trajectories= (episodes per evaluation)",
@@ -128,76 +128,11 @@ class Evaluator(Service):
         "num_workers": "the evaluator has one worker process; num_envs= sets the envs it steps",
         "dump_video": "use record_video=True",
     })
-    def __init__(
-        self,
-        env: Any,
-        policy: Any = None,
-        *,
-        policy_factory: Callable[[], Any] | None = None,
-        num_trajectories: int = 10,
-        max_steps: int | None = None,
-        exploration_type: Any = "deterministic",
-        metrics_fn: Callable[[np.ndarray, np.ndarray], Any] | None = None,
-        on_result: Callable[[dict], Any] | None = None,
-        busy_policy: Literal["skip", "error", "queue"] = "skip",
-        max_queued: int = 4,
-        num_envs: int = 1,
-        env_kwargs: dict | None = None,
-        seed: int | None = None,
-        shutdown_timeout: float = 5.0,
-        nice: int = 0,
-        cpus: Iterable[int] | None = None,
-        check_finite: bool = False,
-        action_bounds: str = "pass",
-        on_worker_failure: Literal["raise", "restart"] = "raise",
-        max_restarts: int = 3,
-        restart_window: float | None = 60.0,
-        step_timeout: float | None = None,
-        backend: Literal["process", "ray"] = "process",
-        ray_actor_options: dict | None = None,
-        log_prefix: str | None = None,
-        categorical_action_encoding: bool = True,
-        recurrent_state: dict | None = None,
-        record_video: bool = False,
-        video_dir: str | None = None,
-        video_fps: int = 30,
-        video_max_frames: int | None = 1000,
-        video_prefix: str = "eval",
-    ) -> None:
-        self.config = c = EvaluatorConfig(
-            env=env,
-            policy=policy,
-            policy_factory=policy_factory,
-            num_trajectories=num_trajectories,
-            max_steps=max_steps,
-            exploration_type=exploration_type,
-            metrics_fn=metrics_fn,
-            on_result=on_result,
-            busy_policy=busy_policy,
-            max_queued=max_queued,
-            num_envs=num_envs,
-            env_kwargs=env_kwargs,
-            seed=seed,
-            shutdown_timeout=shutdown_timeout,
-            nice=nice,
-            cpus=cpus,
-            check_finite=check_finite,
-            action_bounds=action_bounds,  # type: ignore[arg-type]
-            on_worker_failure=on_worker_failure,
-            max_restarts=max_restarts,
-            restart_window=restart_window,
-            step_timeout=step_timeout,
-            backend=backend,
-            ray_actor_options=ray_actor_options,
-            log_prefix=log_prefix,
-            categorical_action_encoding=categorical_action_encoding,
-            recurrent_state=recurrent_state,
-            record_video=record_video,
-            video_dir=video_dir,
-            video_fps=video_fps,
-            video_max_frames=video_max_frames,
-            video_prefix=video_prefix,
-        )
+    def __init__(self, *args: Any, **options: Any) -> None:
+        # (its signature, for users, IDEs and mypy, is EvaluatorConfig's: every option is written there once)
+        self.config: EvaluatorConfig = EvaluatorConfig(*args, **options)
+        """The options, checked (:class:`EvaluatorConfig`)."""
+        c = self.config
         worker_config, needs = worker_setup(c)
         self._run = EvalRun(c, worker_config, needs)
         self._portal: Any = None  # synchronous code (TorchRL's blocking calls): a _blocking.Portal, made on first use
@@ -208,6 +143,7 @@ class Evaluator(Service):
     # -- public state -----------------------------------------------------------------------------
     @property
     def state(self) -> EvaluatorState:
+        """Where the evaluator is in its life (:class:`EvaluatorState`)."""
         return self._run.state
 
     @property
@@ -283,7 +219,7 @@ class Evaluator(Service):
     def __del__(self) -> None:
         run = getattr(self, "_run", None)
         proc = None if run is None else run.proc
-        if run is None or proc is None or run.state is EvaluatorState.CLOSED and run.done.is_set():
+        if run is None or proc is None or run.phase is EvalPhase.CLOSED:  # (its task has ended)
             return
         warn_unclosed(repr(self), "Evaluator")
         try:

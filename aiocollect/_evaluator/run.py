@@ -1,7 +1,7 @@
 """The evaluator's own task and its state: the queue of evaluations, running them one at a time
 in the worker (:class:`~aiocollect._backends.eval_process.EvalProcess`), replacing a worker that died,
 crashed or hung (``on_worker_failure="restart"``, within the restart budget), computing the
-metrics and reporting them (events, ``on_result``, the waiting caller). The public front is
+metrics and reporting them (events, ``on_result``, the waiting caller: :mod:`.results`). The public front is
 :class:`aiocollect.Evaluator`, which holds one :class:`EvalRun`.
 """
 
@@ -9,30 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import itertools
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
-import numpy as np
 
+from .._core.phases import Lifecycle
 from .._service.bus import EventBus
 from .._service.env_calls import EnvCallLog, message
-from .._core.errors import ConfigTypeError, EvaluatorClosedError, WorkerError, add_note
+from .._core.errors import EvaluatorClosedError, WorkerError, add_note
 from .config import EvaluatorConfig, EvaluatorState
+from .lifecycle import TRANSITIONS, EvalPhase
 from .._backends.eval_process import EvalProcess
 from .._backends.table import backend_named
 from .._core.eval_wire import Aborted, Failed, Result
+from .results import Request, report_failure, report_success, result_metrics
 from .._service.resource import unwrap_group as _unwrap, wait_shielded
 from .._service.supervisor import RestartBudget
 from .._service.systask import spawn_system_task
 
 if TYPE_CHECKING:
     from .._backends.ray_eval import RayEvalWorker
-from ..events import EvaluationCompleted, EvaluationFailed, WorkerFailed, WorkerRestarted
+from ..events import WorkerFailed, WorkerRestarted
 
 
 def in_event_loop() -> bool:
@@ -49,19 +50,6 @@ def in_event_loop() -> bool:
         except RuntimeError:
             pass
     return False
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    id: int
-    step: int | None
-    weights: Any
-    background: bool
-    done: anyio.Event
-    result: dict | None = None
-    error: BaseException | None = None
-    abandoned: bool = False  # the evaluate() call waiting for it was cancelled
-    sent: bool = False  # the whole request reached the worker's socket
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,58 +70,6 @@ class EnvJob:
     error: BaseException | None = None
 
 
-async def compute_metrics(
-    returns: list[float], lengths: list[int], metrics_fn: Callable | None, step: int | None, seconds: float,
-    log_prefix: str | None = None,
-) -> dict:
-    """The metrics of one evaluation (see :class:`~aiocollect.Evaluator`), or with ``log_prefix``
-    under TorchRL's Evaluator's names (:func:`torchrl_metrics`); raises what ``metrics_fn``
-    raises, and :class:`TypeError` if it returns no mapping."""
-    r = np.asarray(returns, dtype=np.float64)
-    n = np.asarray(lengths, dtype=np.int64)
-    metrics: dict[str, Any] = {
-        "return_mean": float(r.mean()),
-        "return_std": float(r.std()),
-        "return_min": float(r.min()),
-        "return_max": float(r.max()),
-        "episode_length_mean": float(n.mean()),
-    }
-    if metrics_fn is not None:
-        extra = metrics_fn(r.copy(), n.copy())
-        if inspect.isawaitable(extra):
-            extra = await extra
-        if not isinstance(extra, Mapping):
-            raise ConfigTypeError(
-                f"metrics_fn returned {type(extra).__name__}; it must return a mapping of metric names to values"
-            )
-        metrics.update(extra)
-    metrics.update(step=step, num_trajectories=len(r), seconds=seconds)
-    if log_prefix is not None:
-        return torchrl_metrics(metrics, r, n, extra if metrics_fn is not None else {}, log_prefix)
-    return metrics
-
-
-def torchrl_metrics(ours: dict, returns: np.ndarray, lengths: np.ndarray, extra: Mapping, prefix: str) -> dict:
-    """The metrics under TorchRL 0.14's ``Evaluator`` names: ``<prefix>/reward`` (the mean
-    return), ``<prefix>/reward_std`` (sample standard deviation, ``ddof=1``; 0.0 for one episode,
-    as TorchRL's), ``<prefix>/num_episodes``, ``<prefix>/episode_length`` (mean),
-    ``<prefix>/fps`` (frames per second of the evaluation), ``<prefix>/step``, and each of
-    ``metrics_fn``'s items as ``<prefix>/<name>``."""
-    seconds = ours["seconds"]
-    out: dict[str, Any] = {
-        f"{prefix}/reward": ours["return_mean"],
-        f"{prefix}/reward_std": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
-        f"{prefix}/num_episodes": len(returns),
-        f"{prefix}/episode_length": ours["episode_length_mean"],
-    }
-    if seconds > 0:
-        out[f"{prefix}/fps"] = float(lengths.sum()) / seconds
-    out[f"{prefix}/step"] = ours["step"]
-    for name, value in extra.items():
-        out[f"{prefix}/{name}"] = value
-    return out
-
-
 class EvalRun:
     """An evaluator's state and its own task (:meth:`launch`): never refers to the front."""
 
@@ -141,7 +77,7 @@ class EvalRun:
         self.config = config
         self.worker_config = worker_config  # cloudpickle(EvalWorkerConfig)
         self.needs = needs
-        self.state = EvaluatorState.CREATED
+        self.life = Lifecycle(EvalPhase.CREATED, TRANSITIONS, "an evaluator's run")
         self.bus = EventBus()
         self.queue: deque[Request | EnvJob] = deque()  # evaluations and env calls, in the order they were made
         self.current: Request | None = None  # running in the worker
@@ -164,9 +100,24 @@ class EvalRun:
         return sum(isinstance(r, Request) for r in self.queue) + (self.current is not None)
 
     # -- lifecycle --------------------------------------------------------------------------------
+    @property
+    def phase(self) -> EvalPhase:
+        return self.life.phase
+
+    @property
+    def state(self) -> EvaluatorState:
+        """The public state (``evaluator.state``) of the current phase."""
+        return self.life.phase.public
+
+    def move_to(self, phase: EvalPhase) -> None:
+        """Enter ``phase``: the one place the run's phase changes. A move that
+        :data:`~aiocollect._evaluator.lifecycle.TRANSITIONS` does not allow raises
+        :class:`~aiocollect._core.phases._PhaseError` (a bug of ours)."""
+        self.life.move_to(phase)
+
     def launch(self, main: Callable[[], Awaitable[None]]) -> None:
         """Start the evaluator's own task, ``main()`` (which awaits :meth:`run`), if not yet."""
-        if self.state is not EvaluatorState.CREATED:
+        if self.phase is not EvalPhase.CREATED:
             return
         if not in_event_loop():
             raise RuntimeError(
@@ -178,8 +129,12 @@ class EvalRun:
         self.stop = anyio.Event()
         self.wakeup = anyio.Event()
         self.changed = anyio.Event()
-        self.state = EvaluatorState.STARTING
-        self.task = spawn_system_task(main)
+        self.move_to(EvalPhase.STARTING)
+        try:
+            self.task = spawn_system_task(main)
+        except BaseException:
+            self.move_to(EvalPhase.CLOSED)  # (no task: nothing would ever close it)
+            raise
 
     async def start(self) -> None:
         """See :meth:`Evaluator.start <aiocollect.Evaluator.start>` (launched already)."""
@@ -194,20 +149,23 @@ class EvalRun:
                 f"this evaluator is closed: its worker failed to start ({type(error).__name__}: {error}); "
                 f"create a new Evaluator"
             ) from error
-        if self.state is EvaluatorState.CLOSED:
+        if self.phase.closing:
             raise EvaluatorClosedError("this evaluator is closed and cannot be reopened; create a new Evaluator")
 
     async def aclose(self) -> None:
         """See :meth:`Evaluator.aclose <aiocollect.Evaluator.aclose>`."""
-        self.state = EvaluatorState.CLOSED
-        if self.task is not None:
+        if self.task is None:
+            if self.phase is EvalPhase.CREATED:  # never started: nothing to stop
+                self.move_to(EvalPhase.CLOSED)
+            self.bus.close()
+        else:
+            if not self.phase.closing:  # (its task moves on to CLOSED as it ends)
+                self.move_to(EvalPhase.CLOSING)
             self.stop.set()
             try:
                 await wait_shielded(self.done)  # even under task.cancel(): the worker is gone first
             finally:
                 self.bus.close()
-        else:
-            self.bus.close()
         self.raise_background_error()
 
     async def run(self) -> None:
@@ -232,10 +190,12 @@ class EvalRun:
         finally:
             self._abandon_all()
             # aclose(), a failed start (or a bug of ours, reported above) ends this task: closed
-            self.state = EvaluatorState.CLOSED
-            self.bus.close()
-            self.started.set()
-            self.done.set()
+            try:
+                self.move_to(EvalPhase.CLOSED)
+            finally:  # (a refused move is a bug of ours: it must not leave aclose() waiting)
+                self.bus.close()
+                self.started.set()
+                self.done.set()
 
     async def _main(self, tg: Any) -> None:
         try:
@@ -244,10 +204,13 @@ class EvalRun:
             self.start_error = exc
             self.add_error(exc)
             self.stop.set()
+            if self.phase is EvalPhase.STARTING:  # (not if aclose() came first)
+                self.move_to(EvalPhase.START_FAILED)
             return
+        else:
+            if self.phase is EvalPhase.STARTING:
+                self.move_to(EvalPhase.RUNNING)
         finally:
-            if self.state is EvaluatorState.STARTING and self.start_error is None:
-                self.state = EvaluatorState.RUNNING
             self.started.set()
         if self.config.step_timeout is not None:
             tg.start_soon(self._watchdog, self.config.step_timeout)
@@ -431,9 +394,14 @@ class EvalRun:
                 self.current, self.reporting = None, req
                 self.notify()
                 if failure is not None:
-                    await self._report_failure(req, failure)
-                else:
-                    await self._report_success(req, metrics)
+                    self.failed += 1
+                    await report_failure(req, failure, self.bus, self.add_error)
+                elif metrics is not None:  # (None: aborted, its caller is gone)
+                    self.completed += 1
+                    self.last = metrics
+                    if req.background:
+                        self.unconsumed = metrics
+                    await report_success(req, metrics, self.bus, self.config.on_result, self.add_error)
             finally:
                 self.current = self.reporting = None
                 if not req.done.is_set():  # cancelled (closing), or aborted by its caller
@@ -494,13 +462,7 @@ class EvalRun:
                         lost = exc
                     else:
                         if isinstance(msg, Result):
-                            seconds = time.perf_counter() - t0
-                            metrics = await compute_metrics(
-                                msg.returns, msg.lengths, self.config.metrics_fn, req.step, seconds, self.config.log_prefix
-                            )
-                            if msg.video is not None:  # record_video: a file's path, or the frames
-                                metrics["video" if self.config.log_prefix is None else f"{self.config.log_prefix}/video"] = msg.video
-                            return metrics
+                            return await result_metrics(msg, self.config, req.step, time.perf_counter() - t0)
                         if isinstance(msg, Aborted):
                             return None
                         error = proc.failure(msg)
@@ -511,44 +473,5 @@ class EvalRun:
             if req.abandoned:  # its caller is gone: not run again
                 return None
 
-    async def _report_success(self, req: Request, metrics: dict | None) -> None:
-        if metrics is None:  # aborted: its caller is gone
-            return
-        self.completed += 1
-        self.last = metrics
-        if req.background:
-            self.unconsumed = metrics
-        req.result = metrics
-        try:
-            await self.bus.emit(EvaluationCompleted(step=req.step, metrics=dict(metrics)))
-            on_result = self.config.on_result
-            if on_result is not None:
-                result = on_result(dict(metrics))
-                if inspect.isawaitable(result):
-                    await result
-        except Exception as exc:  # noqa: BLE001 - a handler's error: surfaced, never dropped
-            if req.background or req.abandoned:
-                self.add_error(exc)
-            else:
-                req.error = exc
-        req.done.set()
 
-    async def _report_failure(self, req: Request, exc: BaseException) -> None:
-        self.failed += 1
-        handler_error = None
-        try:
-            await self.bus.emit(EvaluationFailed(step=req.step, error=exc))
-        except Exception as handler_exc:  # noqa: BLE001 - surfaced, with the evaluation's error as context
-            handler_exc.__context__ = exc
-            handler_error = handler_exc
-        error = handler_error or exc
-        if req.background:
-            self.add_error(error)
-        elif not req.abandoned:
-            req.error = error
-        elif handler_error is not None:  # its caller gave up on the evaluation, not on the handler
-            self.add_error(handler_error)
-        req.done.set()
-
-
-__all__ = ["EnvJob", "EvalRun", "Request", "compute_metrics", "in_event_loop", "torchrl_metrics"]
+__all__ = ["EnvJob", "EvalRun", "Request", "in_event_loop"]

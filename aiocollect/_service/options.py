@@ -10,7 +10,7 @@ import importlib.util
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Concatenate, Mapping, ParamSpec, Sequence, TypeVar, cast
 
 from .._core.datachecks import ACTION_BOUNDS
 from .._core.errors import ConfigError, ConfigTypeError
@@ -244,6 +244,42 @@ OPTIONS_PAGE = "docs/options.md"
 """The options reference (generated from the configs' field docs by ``scripts/options_page.py``)."""
 
 
+
+P = ParamSpec("P")
+S = TypeVar("S")
+
+
+def takes_options(
+    config: Callable[P, Any], synonyms: Mapping[str, str]
+) -> Callable[[Callable[Concatenate[S, ...], None]], Callable[Concatenate[S, P], None]]:
+    """Makes a front's ``__init__(self, *args, **options)``, which passes both on to ``config``
+    (a dataclass of options), take exactly ``config``'s options, written once, in ``config``,
+    with their types, defaults and docs: to mypy and IDEs the wrapped ``__init__`` has
+    ``config``'s parameters (a ``ParamSpec``, so a call is checked and completed option by
+    option), ``inspect.signature`` and ``help()`` show them (``__signature__``), and an unknown
+    keyword or an extra positional argument raises :class:`ConfigTypeError` naming the option
+    meant (:func:`~aiocollect._service.options.known_keywords`, with ``synonyms``: another
+    library's name -> how to say it here).
+
+    Examples:
+        >>> class Evaluator:  # doctest: +SKIP
+        ...     @takes_options(EvaluatorConfig, {"num_episodes": "use num_trajectories="})
+        ...     def __init__(self, *args: Any, **options: Any) -> None:
+        ...         self.config = EvaluatorConfig(*args, **options)
+    """
+    options = inspect.signature(config)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def wrap(init: Callable[Concatenate[S, ...], None]) -> Callable[Concatenate[S, P], None]:
+        init.__signature__ = options.replace(  # type: ignore[attr-defined]
+            parameters=[self_parameter, *options.parameters.values()], return_annotation="None"
+        )
+        checked: Callable[Concatenate[S, P], None] = known_keywords(cast(type, config), synonyms)(init)
+        return checked
+
+    return wrap
+
+
 def options_reference(config_class: type) -> str:
     """Where a user reads every option of ``config_class``: its section of the options page (in
     the repository and on the docs site), and ``help()`` of the config class."""
@@ -392,4 +428,3 @@ def check_recurrent_state(value: Any) -> dict | None:
             ) from None
         checked[key] = (tuple(shape), name)
     return checked
-

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .._core.errors import ConfigError
 
@@ -93,7 +93,17 @@ def _display_class(base: Any) -> Any:
     return DisplayedBar
 
 
-def make_bar(total_frames: int, initial: int) -> Any:
+class ProgressBar(Protocol):
+    """The collector's progress bar (what :func:`make_bar` returns)."""
+
+    def update_to(self, frames: int, mean_return: float | None) -> None:
+        """Show ``frames`` collected (and the mean return of the last episodes)."""
+
+    def close(self) -> None:
+        """Close it (a closed bar is no longer updated)."""
+
+
+def make_bar(total_frames: int | None, initial: int) -> ProgressBar:
     """A tqdm bar counting frames, with ``update_to(frames, mean_return)``; closes with ``close()``."""
     try:
         from tqdm.std import tqdm
@@ -122,7 +132,7 @@ def make_bar(total_frames: int, initial: int) -> Any:
                 self.refresh()
 
     return Bar(
-        total=None if total_frames == -1 else total_frames,
+        total=None if total_frames is None or total_frames == -1 else total_frames,
         initial=initial,
         unit="frames",
         unit_scale=True,

@@ -22,6 +22,7 @@ from .. import events as ev
 from .._core.errors import add_note
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .._core.geometry import Geometry
     from .._worker.rollout import RolloutConfig
 
 
@@ -54,7 +55,7 @@ class RestartBudget:
 
 class SupervisedWorker(Protocol):
     """A worker seat, as its supervisor and the watchdog drive it (the collector's seats:
-    :class:`~aiocollect._backends.workers.WorkerHandle`)."""
+    :class:`~aiocollect._backends.seat.RolloutSeat`)."""
 
     @property
     def index(self) -> int: ...
@@ -95,11 +96,7 @@ class _SupervisedConfig(Protocol):
     def on_worker_failure(self) -> str: ...
 
     @property
-    def frames_per_env(self) -> int: ...
-
-
-class _Restarts(Protocol):
-    restarts: int
+    def geometry(self) -> Geometry: ...
 
 
 class _KeptCalls(Protocol):
@@ -109,8 +106,8 @@ class _KeptCalls(Protocol):
 
 
 class SupervisedRun(Protocol):
-    """A collector's run, as the supervisor and the watchdog read and tell it (the collector's:
-    :class:`~aiocollect._collector.run_state.RunState`)."""
+    """A collector's worker pool, as the supervisor and the watchdog read and tell it (the
+    collector's: :class:`~aiocollect._collector.pool.WorkerPool`)."""
 
     @property
     def config(self) -> _SupervisedConfig: ...
@@ -138,9 +135,6 @@ class SupervisedRun(Protocol):
     def budget(self) -> RestartBudget: ...
 
     @property
-    def stats(self) -> _Restarts: ...
-
-    @property
     def env_calls(self) -> _KeptCalls: ...
 
     def wake(self, worker: Any = None) -> None:
@@ -154,6 +148,9 @@ class SupervisedRun(Protocol):
 
     def worker_failed(self, error: BaseException) -> None:
         """A worker failed for good: ``error`` ends the run after the batches it completed."""
+
+    def restarted(self) -> None:
+        """A worker was replaced (counted in the stats)."""
 
 
 async def supervise(run: SupervisedRun, w: SupervisedWorker) -> None:
@@ -175,7 +172,7 @@ async def supervise(run: SupervisedRun, w: SupervisedWorker) -> None:
                 error = exc
                 continue
             break
-        run.stats.restarts += 1
+        run.restarted()
         await run.emit(ev.WorkerRestarted, worker=w.index, pid=w.pid, old_pid=old_pid)
         run.wake()
 
@@ -194,7 +191,7 @@ def replacement_config(run: SupervisedRun, w: SupervisedWorker) -> RolloutConfig
     return dataclasses.replace(
         cfg,
         traj_counters=tuple(counters),
-        random_steps=max(cfg.random_steps - w.completed * c.frames_per_env, 0),
+        random_steps=max(cfg.random_steps - w.completed * c.geometry.frames_per_copy, 0),
         restart=w.restarts + 1,
         env_calls=run.env_calls.kept_for(w.index),
     )
@@ -203,8 +200,8 @@ def replacement_config(run: SupervisedRun, w: SupervisedWorker) -> RolloutConfig
 async def watchdog(run: SupervisedRun, timeout: float) -> None:
     """Declare hung the workers that spend longer than ``timeout`` seconds in one call, that are
     stopped for that long, or that were granted work and show no progress for that long (checked
-    four times per timeout, at most every second): see :meth:`WorkerHandle.stuck
-    <aiocollect._backends.workers.WorkerHandle.stuck>`. A worker idle because it was granted no work
+    four times per timeout, at most every second): see :meth:`RolloutSeat.stuck
+    <aiocollect._backends.seat.RolloutSeat.stuck>`. A worker idle because it was granted no work
     (backpressure, a paused collector) is never hung."""
     period = min(max(timeout / 4, 0.01), 1.0)
     while True:

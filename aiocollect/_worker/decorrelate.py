@@ -63,8 +63,8 @@ def decorrelate(rollout: Any, counts: np.ndarray, spaces: list[Any]) -> None:
         phase, ret = _step_each(rollout, counts, spaces)
     else:
         phase, ret = _step_together(rollout, counts, RandomRunner(spaces, rollout.act_leaves))
-    rollout.ep_start[:] = -phase  # (the episodes began before step 0 of collection)
-    rollout.ep_ret[:] = ret
+    rollout.trajs.ep_start[:] = -phase  # (the episodes began before step 0 of collection)
+    rollout.trajs.ep_ret[:] = ret
 
 
 def _step_each(rollout: Any, counts: np.ndarray, spaces: list[Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -25,6 +25,7 @@ from .._core.errors import SpecError
 from .._core.heartbeat import RESET, STEP
 from .._core.layout import Key
 from .._core.video import VideoRecorder
+from .policy_setup import action_guard
 from .rollout import Rollout, RolloutConfig
 
 _BATCH_STEPS = 16  # steps of one batch of the loop (its scratch frames; an evaluation is any number of them)
@@ -43,7 +44,7 @@ class EpisodeRollout(Rollout):
         # the loop's settings; its own finiteness checks are off: the evaluator's are made as each
         # env steps (see _step_envs), with the evaluator's texts
         self.cfg = RolloutConfig(
-            cfg.env_fn, cfg.env_kwargs, None, 0, E, E, _BATCH_STEPS,  # type: ignore[arg-type]  # (no policy: set up apart)
+            cfg.env_fn, cfg.env_kwargs, None, 0, E, E,  # type: ignore[arg-type]  # (no policy: set up apart)
             seed=cfg.seed, max_frames_per_traj=cfg.max_steps,
         )
         self.envs, self.obs_space, self.act_space = envs, obs_space, act_space
@@ -68,7 +69,7 @@ class EpisodeRollout(Rollout):
         names = [f"eval env {i}" for i in range(self.rows)]
         # (random actions need no checks)
         self.guard: ActionGuard | None = (
-            self._make_guard(names, cfg.check_finite, cfg.action_bounds) if uses_torch else None
+            action_guard(self.act_space, self.act_leaves, names, cfg.check_finite, cfg.action_bounds) if uses_torch else None
         )
         for i in range(self.rows):
             self._start_episode(i, i, self.cur_obs)
@@ -98,7 +99,7 @@ class EpisodeRollout(Rollout):
             torch.manual_seed(cfg.seed)
         returns, lengths = [0.0] * n, [0] * n
         E = self.rows
-        self._new_trajs(np.arange(E))
+        self.trajs.new_trajs(np.arange(E), self.steps)
         self.stepping, self.idle = [], np.ones(E, bool)
         self.next_episode, self.episodes_left = 0, n
         for i in range(min(E, n)):
@@ -137,7 +138,7 @@ class EpisodeRollout(Rollout):
 
     def _when(self, row: int) -> str:
         """When row ``i`` takes its next action, or got its reward (for messages)."""
-        return f"at step {self.steps - int(self.ep_start[row]) + 1} of episode {self.episode[row]}"
+        return f"at step {self.steps - int(self.trajs.ep_start[row]) + 1} of episode {self.episode[row]}"
 
     _action_step = _when
 
@@ -177,7 +178,7 @@ class EpisodeRollout(Rollout):
             if cfg.check_finite and not math.isfinite(reward):
                 raise SpecError(f"eval env {i}'s reward {self._when(i)} is {reward!r}: not finite (check_finite=True)")
             rew_t[i], term_t[i], trunc_t[i] = float(reward), terminated, truncated
-            length = self.steps + 1 - int(self.ep_start[i])
+            length = self.steps + 1 - int(self.trajs.ep_start[i])
             if not (terminated or truncated or (max_steps is not None and length >= max_steps)):
                 self._write_obs(i, obs, nxt, f"returned by step {length} of episode {self.episode[i]}")
                 unchanged[i] = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 from gymnasium import spaces
@@ -18,6 +18,9 @@ from gymnasium import spaces
 from .._core.datachecks import dtype_problem
 from .._core.errors import ConfigTypeError, SpecError
 from .._core.layout import Key, Leaf, as_key, flattener, is_bare, unflattener
+
+if TYPE_CHECKING:
+    from .recurrent import RecurrentMemory
 
 EXPLORATION_TYPES = ("random", "deterministic", "mode", "mean", "median")
 
@@ -228,7 +231,9 @@ class RandomRunner:
             else None
         )
 
-    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+    def act(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
         samples = [space.sample() for space in self.spaces]
         if self.one_hot is not None:
             start = int(self.spaces[0].start)  # type: ignore[attr-defined]
@@ -276,8 +281,17 @@ def _numpy(tensor: Any) -> np.ndarray:
     return tensor.detach().cpu().numpy() if arr is None else arr
 
 
-class _TorchRunner:
-    """Common part of the torch runners: output checks and conversion."""
+class TorchRunner:
+    """Common part of the torch runners (a policy run on ``num_envs`` env rows at once): output
+    checks and conversion.
+
+    Driven one way wherever it runs (a worker's rollout, the evaluator, the collector's inference
+    server): :meth:`probe` once, then :meth:`act` on each step's observations. A recurrent policy's
+    runner carries its rows' state in :attr:`memory`, and ``act(obs, rows=..., is_init=...)``
+    says which rows of it a step is (by default all of them, or the first ``num_envs`` of a
+    larger shared memory). What the inference server shares among the runners of its passes (one
+    memory, its CUDA staging, the compiled policy, the outputs found by the probe) is handed over
+    once with :meth:`attach`; nothing else is set from outside."""
 
     uses_torch = True
     remote = False
@@ -285,9 +299,11 @@ class _TorchRunner:
     def __init__(self, act_space: spaces.Space, act_leaves: list[Leaf], obs_leaves: list[Leaf], num_envs: int) -> None:
         import torch
 
-        # observations (numpy) -> the policy's input tensors; the inference server replaces it on a
-        # CUDA device (pinned staging and a non-blocking copy)
+        # observations (numpy) -> the policy's input tensors (attach(to_device=...) on a CUDA device)
         self._from_numpy: Callable[[np.ndarray], Any] = torch.from_numpy
+        # a recurrent policy's carried state (TensorDictRunner), and the rows of it a step is by default
+        self.memory: RecurrentMemory | None = None
+        self._rows: np.ndarray | None = None  # None: all of them
         self.act_space = act_space
         self.act_leaves = act_leaves
         self.obs_leaves = obs_leaves
@@ -298,6 +314,49 @@ class _TorchRunner:
         self.checked = False
         self.act_dtypes: list[Any] = []  # torch dtypes of the first, checked actions
         self.act_shapes = [(num_envs,) + leaf.shape for leaf in act_leaves]
+
+    @property
+    def is_init(self) -> np.ndarray | None:
+        """A recurrent policy's rows that start an episode at their next step (the rollout sets
+        them, :meth:`act` spends them); None for a policy without state."""
+        return None if self.memory is None else self.memory.is_init
+
+    def attach(
+        self,
+        *,
+        memory: RecurrentMemory | None = None,
+        to_device: Callable[[np.ndarray], Any] | None = None,
+        wrap: Callable[[Callable], Callable] | None = None,
+        extra_keys: Sequence[Key] | None = None,
+        env_actions: Any = None,
+    ) -> "TorchRunner":
+        """Share with this runner what the runners of other numbers of rows share (the inference
+        server's), and return it:
+
+        - ``memory``: the recurrent state of every row served (more rows than this runner's: a
+          step names its own with ``act(obs, rows=...)``; by default the first ``num_envs``), in
+          place of the runner's own; ignored for a policy without state.
+        - ``to_device``: what turns an observation array into the policy's input tensor (on a
+          CUDA device: staged in pinned memory, copied without blocking).
+        - ``wrap``: applied once to the callable the runner calls (``torch.compile``, a CUDA graph).
+        - ``extra_keys``: the policy's extra outputs, as :meth:`probe` found them on another runner.
+        - ``env_actions``: what turns the action arrays into each env's action (``per_env``)."""
+        if memory is not None and self.memory is not None:
+            self.memory = memory
+            n = len(memory.is_init)
+            self._rows = None if n == self.num_envs else np.arange(self.num_envs)
+        if to_device is not None:
+            self._from_numpy = to_device
+        if wrap is not None:
+            self._wrap(wrap)
+        if extra_keys is not None:
+            self.extra_keys = list(extra_keys)
+        if env_actions is not None:
+            self.env_actions = env_actions
+        return self
+
+    def _wrap(self, wrap: Callable[[Callable], Callable]) -> None:
+        raise NotImplementedError
 
     def _check_action(self, key: Key, value: Any, leaf: Leaf) -> np.ndarray:
         import torch
@@ -414,10 +473,18 @@ class _TorchRunner:
         self._convert(outputs)
         return extras
 
-    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
-        return self._convert(self._forward(obs))
+    def act(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        """One step's actions for the observations ``obs`` (one array per leaf, ``num_envs`` rows):
+        each env's action, the action arrays and the extra outputs' arrays. A recurrent policy
+        reads and writes the state of ``rows`` of its :attr:`memory` (default: see :meth:`attach`),
+        whose episode starts are ``is_init`` (default: the memory's own flags)."""
+        return self._convert(self._forward(obs, rows, is_init))
 
-    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+    def _forward(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> dict[Key, Any]:
         raise NotImplementedError
 
 
@@ -437,7 +504,7 @@ def _missing_inputs(
     )
 
 
-class ModuleRunner(_TorchRunner):
+class ModuleRunner(TorchRunner):
     """A callable on tensors: inputs are the ``in_keys`` observation leaves; it returns a tensor
     (the action, or the one output ``out_keys`` names), a tuple of tensors named by ``out_keys``
     (``policy_out_keys``), or a dict of tensors that names them itself (``{"action": a,
@@ -465,8 +532,10 @@ class ModuleRunner(_TorchRunner):
         self.in_idx = [index[k] for k in in_keys]
         self.in0 = self.in_idx[0] if len(self.in_idx) == 1 else None
 
-    def act(self, obs: list[np.ndarray]) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
-        if not (self.checked and self.single_out):
+    def act(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> tuple[Sequence[Any], list[np.ndarray], list[np.ndarray]]:
+        if not (self.checked and self.single_out):  # (a module carries no state: rows and is_init are moot)
             return super().act(obs)
         # fast path (a module writing only the action, its first output checked): no dict, no copy,
         # no torch attribute read per call; the output is checked through its numpy view (cheap
@@ -484,12 +553,17 @@ class ModuleRunner(_TorchRunner):
             return self._convert(self._named(out))
         return self.env_actions.per_env([arr], self.num_envs), [arr], []
 
-    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+    def _forward(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> dict[Key, Any]:
         import torch
 
         with torch.no_grad():
             out = self.module(*[self._from_numpy(obs[i]) for i in self.in_idx])
         return self._named(out)
+
+    def _wrap(self, wrap: Callable[[Callable], Callable]) -> None:
+        self.module = wrap(self.module)  # (self.model stays the module: its weights)
 
     def _named(self, out: Any) -> dict[Key, Any]:
         """The module's outputs by key: a dict names them itself, a tuple (or list) is named by
@@ -534,7 +608,7 @@ def _flat_outputs(out: Mapping, prefix: Key = ()) -> dict[Key, Any]:
     return flat
 
 
-class TensorDictRunner(_TorchRunner):
+class TensorDictRunner(TorchRunner):
     """A callable taking and returning a TensorDict of batch size ``[num_envs]``, run under
     tensordict's interaction type ``exploration_type``."""
 
@@ -557,12 +631,9 @@ class TensorDictRunner(_TorchRunner):
         from .recurrent import RecurrentMemory, primer_leaves
 
         leaves = state or primer_leaves(policy)
-        # recurrent: the carried state (the inference server shares one over its passes: ``state_rows``
-        # are the rows of a pass, ``state_init`` their is_init flags from the workers' requests)
+        # recurrent: the carried state (the rollout marks episode starts in its is_init; the
+        # inference server attaches one shared by its passes)
         self.memory = RecurrentMemory(leaves, self.num_envs) if leaves else None
-        self.is_init = None if self.memory is None else self.memory.is_init  # (the rollout marks episode starts)
-        self.state_rows: Any = None
-        self.state_init: np.ndarray | None = None
 
     def probe(self, obs: list[np.ndarray]) -> list[Leaf]:
         if self.memory is None:
@@ -583,7 +654,9 @@ class TensorDictRunner(_TorchRunner):
         if error is not None:
             raise error
 
-    def _forward(self, obs: list[np.ndarray]) -> dict[Key, Any]:
+    def _forward(
+        self, obs: list[np.ndarray], rows: np.ndarray | None = None, is_init: np.ndarray | None = None,
+    ) -> dict[Key, Any]:
         import torch
         from tensordict import TensorDict, TensorDictBase
         from tensordict.nn import set_interaction_type
@@ -593,7 +666,9 @@ class TensorDictRunner(_TorchRunner):
             td.set(key, self._from_numpy(arr))
         memory = self.memory
         if memory is not None:
-            for key, arr in memory.inputs(self.state_rows, self.state_init):
+            if rows is None:
+                rows = self._rows
+            for key, arr in memory.inputs(rows, is_init):
                 td.set(key, self._from_numpy(arr))  # (on CUDA: staged as the observations are)
         with torch.no_grad(), set_interaction_type(self.interaction):
             out = self.policy(td)
@@ -607,8 +682,11 @@ class TensorDictRunner(_TorchRunner):
             )
         outputs = {as_key(k): out.get(k) for k in out.keys(include_nested=True, leaves_only=True)}
         if memory is not None:
-            memory.carry(outputs, self.state_rows, _numpy)
+            memory.carry(outputs, rows, _numpy)
         return outputs
+
+    def _wrap(self, wrap: Callable[[Callable], Callable]) -> None:
+        self.policy = wrap(self.policy)  # (self.model stays the module: its weights)
 
 
 def build_runner(

@@ -1,12 +1,18 @@
 """The rollout engine: steps a worker's envs with the policy and writes frames in place into a
 batch slot. Runs in worker processes, or in the collector's process for the local backend.
 
+:class:`Rollout` steps the envs; its parts have owners of their own: where a batch is written as
+the envs step (:class:`~aiocollect._worker.staging.Staging`), each row's trajectories and episodes
+(:class:`~aiocollect._worker.trajectories.Trajectories`), the rows' seeds
+(:mod:`~aiocollect._worker.seeding`), the policy's runners and action checks
+(:mod:`~aiocollect._worker.policy_setup`), random steps before collection
+(:mod:`~aiocollect._worker.decorrelate`).
+
 Imported by worker processes: numpy and gymnasium only (torch through the policy runner).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -14,33 +20,42 @@ from typing import Any, Callable, Iterator, Sequence
 import gymnasium as gym
 import numpy as np
 
-from .._core.datachecks import ActionBounds, ActionGuard, check_reward, check_value, first_nonfinite, short
+from .._core.datachecks import ActionBounds, check_reward, check_value, first_nonfinite, short
 from .decorrelate import decorrelate, decorrelation_draws
 from .env_calls import EnvEpochs
 from .envs import add_envs, close_envs
 from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
 from .._core.layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
-from .policy import EnvActions, PolicySpec, RandomRunner, build_runner
+from .policy import PolicySpec
+from .policy_setup import action_guard, build_policy
 from .recurrent import random_step_extras
-from .._core.wire import NO_EPISODES, BatchInfo, Episodes
+from .seeding import row_seeds, seeded_spaces
+from .staging import Staging
+from .trajectories import Trajectories
+from .._core.wire import BatchInfo, Episodes
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Settings one worker's rollout needs (picklable, sent to each worker)."""
+    """Settings one worker's rollout needs (picklable, sent to each worker).
+
+    Counts are of env *copies* (what ``create_env_fn`` returns), as
+    :class:`~aiocollect._core.geometry.Geometry` counts them: the collector builds these configs
+    before the workers made their envs, so a vector env's sub-envs are known only here, in the
+    worker, which makes its rows of them (``envs_per_worker * num_envs``). The frames of each
+    row in a batch are the slot's (its views' time dimension)."""
 
     env_fn: Any  # a gymnasium id (str) or a callable returning a gymnasium.Env; or a tuple of one per env
     env_kwargs: dict | tuple[dict, ...]  # (a tuple: one per env of the worker)
     policy: PolicySpec
     worker: int
-    envs_per_worker: int
-    total_envs: int
-    frames_per_env: int
+    envs_per_worker: int  # env copies of this worker (Geometry.envs_per_worker)
+    total_envs: int  # env copies of all workers (Geometry.total_envs)
     seed: int | None = None
     static_seed: bool = False
     max_frames_per_traj: int | None = None
-    random_steps: int = 0
+    random_steps: int = 0  # frames of each env copy with random actions (a copy of n sub-envs: ceil(./n) steps)
     reset_at_each_iter: bool = False
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
@@ -57,151 +72,6 @@ class RolloutConfig:
     env_calls: tuple = ()  # EnvCalls a replacement applies once its envs are made (set_attr, persisted calls)
 
 
-def derived_seed(seed: int, env: int, restart: int) -> int:
-    """The seed of global env ``env`` in the ``restart``-th replacement of its worker."""
-    return int(np.random.SeedSequence([seed & (2**63 - 1), env, restart]).generate_state(1, np.uint32)[0])
-
-
-def write_traj_ids(traj_buf: np.ndarray, ends: np.ndarray, first_traj: np.ndarray, total_envs: int) -> None:
-    """Fill ``traj_buf`` (``[E, T]``) from each row's first id and its episode ends (``[E, T]``):
-    a new trajectory starts after each end, and ids advance by ``total_envs`` each time."""
-    traj_buf[:, 0] = first_traj
-    np.cumsum(ends[:, :-1], axis=1, out=traj_buf[:, 1:])
-    traj_buf[:, 1:] *= total_envs
-    traj_buf[:, 1:] += first_traj[:, None]
-
-
-def write_step_counts(views: dict[Key, np.ndarray], ends: np.ndarray, start_len: np.ndarray) -> None:
-    """``max_frames_per_traj``: fill ``step_count`` and ``("next", "step_count")`` (``[E, T, 1]``,
-    as TorchRL's ``StepCounter``: the frames of the trajectory before the step, and after it) from
-    each row's trajectory length at the batch's start (``start_len``) and its episode ends
-    (``[E, T]``). Nothing to do where the layout has no step counts."""
-    step_buf = views.get(("step_count",))
-    if step_buf is None:
-        return
-    E, T = ends.shape
-    steps = np.arange(T, dtype=np.int64)
-    # per frame: the batch step at which its trajectory started (-start_len: before the batch)
-    start = np.empty((E, T), np.int64)
-    start[:, 0] = -np.asarray(start_len, dtype=np.int64)
-    start[:, 1:] = np.where(ends[:, :-1], steps[1:], start[:, :1])
-    np.maximum.accumulate(start, axis=1, out=start)
-    step_buf[..., 0] = steps - start
-    views[("next", "step_count")][..., 0] = step_buf[..., 0] + 1
-
-
-def _copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[e, t] = src[t, e]`` (``dst``: ``[E, T, ...]``, ``src``: ``[T, E, ...]``). A frame's
-    leaf of a few elements is moved as one item (a void of its size) where both arrays hold it
-    contiguous: numpy copies that several times faster than element by element."""
-    size = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
-    if src.ndim > 2 and 0 < size <= 256 and _leaf_contiguous(dst) and _leaf_contiguous(src):
-        void = np.dtype((np.void, size))
-        d = dst.reshape(dst.shape[:2] + (-1,)).view(void)[..., 0]  # (views: the leaves are contiguous)
-        s = src.reshape(src.shape[:2] + (-1,)).view(void)[..., 0]
-        np.copyto(d, s.swapaxes(0, 1))
-    else:
-        np.copyto(dst, src.swapaxes(0, 1))
-
-
-def _leaf_contiguous(a: np.ndarray) -> bool:
-    """Whether each ``a[i, j]`` is C-contiguous."""
-    stride = a.itemsize
-    for dim, step in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
-        if dim != 1 and step != stride:
-            return False
-        stride *= dim
-    return True
-
-
-_SLOTS_KEPT = 4  # slots whose step views a rollout keeps (a worker has two or three)
-
-
-class _Staging:
-    """Where one batch of ``T`` steps of ``E`` rows is written as the envs step. Rewards and
-    flags: time-major buffers (``[T, E]``), written into the slot at the batch's end. Frames
-    (observations, actions, extras): time-major buffers too (each step writes contiguous rows,
-    and the batch goes into the slot in one copy per key at its end), or, ``in_slot``, the slot
-    itself (single envs write a row at a time: no copy at the end). Each step's views are made
-    once (once per slot where they are the slot's)."""
-
-    def __init__(
-        self, T: int, E: int, obs: list[Leaf], act: list[Leaf], extras: list[Leaf], carried: list[np.ndarray],
-        in_slot: bool = False, reward_dtype: Any = np.float32,
-    ) -> None:
-        def bufs(leaves: list[Leaf]) -> list[np.ndarray]:
-            return [np.zeros((T, E) + leaf.shape, leaf.np_dtype) for leaf in leaves]
-
-        self.T, self.in_slot, self.carried = T, in_slot, carried
-        self.slots: dict[int, tuple[dict, list[tuple]]] = {}  # in_slot: id(views) -> (views, its steps)
-        self.rew = np.zeros((T, E), reward_dtype)
-        self.term = np.zeros((T, E), bool)
-        self.trunc = np.zeros((T, E), bool)
-        self.done = np.zeros((T, E), bool)  # terminated | truncated (with max_frames_per_traj's cuts)
-        self.sums = np.zeros((T, E), np.float64)  # running sums of the rewards (episode returns)
-        if not in_slot:
-            self.obs, self.next, self.act, self.extras = bufs(obs), bufs(obs), bufs(act), bufs(extras)
-            self.steps = self._steps(self.obs, self.act, self.extras, self.next, time_major=True)
-
-    def _steps(
-        self, obs: list[np.ndarray], act: list[np.ndarray], extras: list[np.ndarray], nxt: list[np.ndarray],
-        time_major: bool,
-    ) -> list[tuple]:
-        """Per step: obs, actions, extras, next obs, the obs of the step after (after the last
-        step: the rollout's carried obs), reward, terminated, truncated, done."""
-        T = self.T
-
-        def at(bufs: list[np.ndarray], t: int) -> list[np.ndarray]:
-            return [b[t] for b in bufs] if time_major else [b[:, t] for b in bufs]
-
-        return [
-            (
-                at(obs, t), at(act, t), at(extras, t), at(nxt, t), at(obs, t + 1) if t + 1 < T else self.carried,
-                self.rew[t], self.term[t], self.trunc[t], self.done[t],
-            )
-            for t in range(T)
-        ]
-
-    def stop_after(self, t: int, cur: list[np.ndarray], carried: list[np.ndarray]) -> None:
-        """The batch stops after step ``t`` (no row has anything left to do): the steps after it
-        hold no reward and no episode end, and ``cur`` (the observation after step ``t``) is
-        carried."""
-        for buf in (self.rew, self.term, self.trunc, self.done):
-            buf[t + 1:] = 0
-        if cur is not carried:
-            for dst, src in zip(carried, cur):
-                dst[...] = src
-
-    def slot_steps(self, views: dict[Key, np.ndarray], obs: list[Leaf], act: list[Leaf], extras: list[Leaf]) -> list[tuple]:
-        """``in_slot``: each step's views of the slot ``views``, made once per slot (a worker
-        fills the same few slots, each a dict of the same arrays, over and over; the last
-        :data:`_SLOTS_KEPT` are kept)."""
-        kept = self.slots.get(id(views))
-        if kept is not None and kept[0] is views:
-            return kept[1]
-        steps = self._steps(
-            [views[leaf.key] for leaf in obs], [views[leaf.key] for leaf in act], [views[leaf.key] for leaf in extras],
-            [views[("next",) + leaf.key] for leaf in obs], time_major=False,
-        )
-        if len(self.slots) >= _SLOTS_KEPT:
-            del self.slots[next(iter(self.slots))]
-        self.slots[id(views)] = (views, steps)
-        return steps
-
-    def into_slot(self, views: dict[Key, np.ndarray], obs: list[Leaf], others: list[Leaf]) -> None:
-        """At the batch's end, into the slot: one copy per key (``[T, E, ...]`` -> ``[E, T, ...]``)."""
-        if not self.in_slot:
-            for leaf, st in zip(obs, self.obs):
-                _copy_transposed(views[leaf.key], st)
-            for leaf, st in zip(obs, self.next):
-                _copy_transposed(views[("next",) + leaf.key], st)
-            for leaf, st in zip(others, self.act + self.extras):
-                _copy_transposed(views[leaf.key], st)
-        views[("next", "reward")][..., 0] = self.rew.T
-        views[("next", "terminated")][..., 0] = self.term.T
-        views[("next", "truncated")][..., 0] = self.trunc.T
-
-
 class Rollout:
     """Steps ``envs_per_worker`` envs; :meth:`fill` writes one batch into a slot's arrays. The
     envs are stepped as one vector of ``envs_per_worker`` rows (as PufferLib's serial backend
@@ -215,7 +85,7 @@ class Rollout:
     # left, which do not step; the batch stops when no row steps (None: every row, in index order)
     stepping: list[int] | None = None
     idle: np.ndarray | None = None
-    _stage: "_Staging | None" = None  # the batch's step views (kept from batch to batch: built once per slot)
+    _stage: Staging | None = None  # the batch's step views (kept from batch to batch: built once per slot)
 
     def __init__(self, cfg: RolloutConfig, local_policy: Any = None, env: gym.Env | None = None) -> None:
         self.cfg = cfg
@@ -238,17 +108,15 @@ class Rollout:
         counters = cfg.traj_counters
         self._start_rows(env_ids, cfg.total_envs, [counters[g] for g in env_ids] if counters else [0] * E)
         self.random_calls = cfg.random_steps
-        seeds = self._seeds()
-        self.action_spaces = []
-        for env, seed in zip(self.envs, seeds):
-            space = copy.deepcopy(env.action_space)
-            space.seed(seed)
-            self.action_spaces.append(space)
-        self.guard = self._make_guard([f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds)
+        seeds = row_seeds(cfg.seed, cfg.static_seed, cfg.restart, self.env_ids)
+        self.action_spaces = seeded_spaces([env.action_space for env in self.envs], seeds)
+        self.guard = action_guard(
+            self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds
+        )
         for i, (env, seed) in enumerate(zip(self.envs, seeds)):
             obs, _ = env.reset(seed=seed)
             self._set_obs(i, obs, checked=True)
-        self._build_policy(local_policy, E, cfg.total_envs)
+        self._build_policy(local_policy, cfg.total_envs)
         self._decorrelate()
 
     def _decorrelate(self) -> None:
@@ -271,65 +139,27 @@ class Rollout:
         self.finite_obs = [k for k, leaf in enumerate(self.obs_leaves) if leaf.np_dtype.kind == "f"] if check_finite else []
 
     def _start_rows(self, env_ids: np.ndarray, total_rows: int, traj_k: Sequence[int]) -> None:
-        """The rows' state: global env ids, trajectory ids (row ``i`` is in its ``traj_k[i]``-th
-        trajectory), carried observations, episode returns and starts; step 0."""
+        """The rows' state: global env ids, trajectories and episodes (row ``i`` is in its
+        ``traj_k[i]``-th trajectory: see :class:`~aiocollect._worker.trajectories.Trajectories`),
+        carried observations; step 0."""
         E = len(env_ids)
         self.env_ids, self.rows, self.total_rows = env_ids, E, total_rows
         self.steps = 0
-        # each row's trajectory id, traj_k * total_rows + env_ids: a new one adds total_rows
-        self.cur_traj = np.asarray(traj_k, dtype=np.int64) * total_rows + env_ids
+        self.trajs = Trajectories(env_ids, total_rows, traj_k)
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
-        # per row: the reward of its episode before this batch, and the step its episode began at
-        # (episode returns and lengths are worked out once per batch, from the batch's rewards and ends)
-        self.ep_ret = np.zeros(E, np.float64)
-        self.ep_start = np.zeros(E, np.int64)
         self.env_epochs = EnvEpochs(E)  # each row's env epoch: the last env call applied to it
-        self._ends: tuple[np.ndarray, ...] | None = None  # the last batch's episodes: rows, ids, returns, ...
 
-    def _make_guard(
-        self, names: list[str], check_finite: bool, action_bounds: ActionBounds,
-        per_env: Callable[[list[np.ndarray]], Sequence[Any]] | None = None,
-    ) -> ActionGuard | None:
-        """The checks of the policy's actions (not random ones) for the rows named ``names``
-        (``per_env``: the envs' actions from the action arrays); None: nothing to check."""
-        if per_env is None:
-            env_actions, E = EnvActions(self.act_space, self.act_leaves), len(names)
-            per_env = lambda arrays: env_actions.per_env(arrays, E)  # noqa: E731
-        guard = ActionGuard(
-            self.act_space, self.act_leaves, names, per_env, check_finite=check_finite, action_bounds=action_bounds,
-        )
-        return guard if guard.active else None
-
-    def _build_policy(self, local_policy: Any, num_envs: int, total_envs: int) -> None:
-        """The policy's runner for ``num_envs`` rows (its torch seed comes after the seeds of all
-        ``total_envs`` envs), the random runner, and the weight reader."""
+    def _build_policy(self, local_policy: Any, total_envs: int) -> None:
+        """The policy's runner for the rows (one per seeded action space; its torch seed comes
+        after the seeds of all ``total_envs`` envs), the random runner, and the weight reader (see
+        :func:`~aiocollect._worker.policy_setup.build_policy`)."""
         cfg = self.cfg
-        if cfg.policy.kind not in ("random", "server") and local_policy is None:
-            import torch
-
-            # one intra-op thread per worker: workers are the parallelism, not torch's pool; and
-            # no autograd in a worker process at all (cheaper than a no_grad context per step)
-            torch.set_num_threads(1)
-            torch.set_grad_enabled(False)
-            if cfg.seed is not None:
-                torch.manual_seed(
-                    derived_seed(cfg.seed, total_envs + cfg.worker, cfg.restart) if cfg.restart
-                    else cfg.seed + total_envs + cfg.worker
-                )
-        self.random_runner = RandomRunner(self.action_spaces, self.act_leaves)
-        self.runner = build_runner(
-            cfg.policy, self.act_space, self.act_leaves, self.obs_leaves, num_envs, self.action_spaces, local_policy
+        self.random_runner, self.runner, self.extra_leaves, self.weights = build_policy(
+            cfg.policy, local_policy, (cfg.seed, cfg.worker, cfg.restart, total_envs), self.act_space, self.act_leaves,
+            self.obs_leaves, self.action_spaces, self.cur_obs,
         )
-        self.extra_leaves = self.runner.probe(self.cur_obs)
         self.batches = 0
         self.heartbeat: Any = None  # a _heartbeat.Heartbeat when the collector watches for hangs
-        model = getattr(self.runner, "model", None)
-        if model is not None:
-            from .weights import WeightReader
-
-            self.weights: Any = WeightReader(model)
-        else:
-            self.weights = None
 
     @property
     def version(self) -> int:
@@ -346,16 +176,6 @@ class Rollout:
         self.runner.connect(layout, mapping, self.cfg.worker, req_fd, resp_fd, sock)
         self.runner.on_socket = drain
         self.extra_leaves = list(layout.extras)
-
-    def _seeds(self) -> list[int | None]:
-        cfg = self.cfg
-        if cfg.seed is None:
-            return [None] * len(self.envs)
-        if cfg.static_seed:
-            return [cfg.seed] * len(self.envs)
-        if cfg.restart:  # a replacement worker: new episodes, still determined by the seed
-            return [derived_seed(cfg.seed, int(g), cfg.restart) for g in self.env_ids]
-        return [cfg.seed + int(g) for g in self.env_ids]
 
     def spec(self) -> dict[str, Any]:
         """What the collector needs to lay out the batch (compared across workers)."""
@@ -405,7 +225,7 @@ class Rollout:
         """Names row ``i``'s current step in messages: its number since the collector started and
         in its episode, counted from 1 (during a step the episode's count of it is the same whether
         it is ``taken`` or not)."""
-        return f"step {self.steps + 1} (step {self.steps + 1 - int(self.ep_start[i])} of its episode)"
+        return f"step {self.steps + 1} (step {self.steps + 1 - int(self.trajs.ep_start[i])} of its episode)"
 
     def _check_finite(self, next_obs: list[np.ndarray], rewards: np.ndarray) -> None:
         """check_finite: the observations (single envs; a vector env's are checked as they are
@@ -425,24 +245,18 @@ class Rollout:
     def _action_step(self, row: int) -> str:
         return f"at {self._step_text(row)}"
 
-    def _new_trajs(self, rows: np.ndarray) -> None:
-        """The rows ``rows`` start a new trajectory (between batches)."""
-        self.cur_traj[rows] += self.total_rows
-        self.ep_ret[rows] = 0.0
-        self.ep_start[rows] = self.steps
-
     # -- the stepping loop (single envs: a vector of ``envs_per_worker`` rows; vector envs: vector.py) --
-    def _staging(self, T: int) -> _Staging:
+    def _staging(self, T: int) -> Staging:
         stage = self._stage
         if stage is None or stage.T != T:
-            stage = self._stage = _Staging(
+            stage = self._stage = Staging(
                 T, self.rows, self.obs_leaves, self.act_leaves, self.extra_leaves, self.cur_obs, in_slot=self.serial,
                 reward_dtype=np.float64 if self.serial else np.float32,
             )
         return stage
 
     def fill(self, views: dict[Key, np.ndarray], version: int = 0) -> Iterator[None]:
-        """Write one batch of ``frames_per_env`` steps into ``views``; yields after each step so
+        """Write one batch of ``T`` steps (the views' frames per row) into ``views``; yields after each step so
         the driver can check for a stop request (worker) or let its event loop run (local).
 
         Each step of the policy is one step of every env (a single env is a vector of one row); the
@@ -451,26 +265,19 @@ class Rollout:
         write their frames into the slot itself, vector envs into time-major buffers of this process
         (a step's rows are contiguous there) copied into the slot once, at the end of the batch. At
         the end, :attr:`episodes` lists the episodes that ended in this batch.
+
+        The steps: :meth:`_begin_batch`; per step, the policy's actions (random ones for the first
+        ``random_calls`` steps), :meth:`_record_actions`, :meth:`_step_envs`, :meth:`_end_step`;
+        :meth:`_end_batch`.
         """
-        cfg = self.cfg
-        if cfg.reset_at_each_iter and self.batches > 0:
-            self._reset_all()
-            self._new_trajs(np.arange(self.rows))
-        traj_buf = views[("collector", "traj_ids")]
-        T = traj_buf.shape[1]
-        stage = self._staging(T)
-        frames = stage.slot_steps(views, self.obs_leaves, self.act_leaves, self.extra_leaves) if stage.in_slot else stage.steps
-        for dst, carried in zip(frames[0][0], self.cur_obs):
-            dst[...] = carried
-        first_traj = self.cur_traj.copy()
-        first_step, first_start = self.steps, self.ep_start.copy()
-        self.env_epochs.begin(lambda: self.steps - first_step)
+        stage, frames = self._begin_batch(views)
+        T = stage.T
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
-        guard, check_finite, hb, idle = self.guard, cfg.check_finite, self.heartbeat, self.idle
-        is_init = getattr(self.runner, "is_init", None)  # a recurrent policy's: rows starting an episode
         # looked up once per batch, not per step: what every step reads
-        takes_arrays, ahead, step_envs, end_step = self.takes_arrays, cfg.ahead, self._step_envs, self._end_step
+        check_finite, hb, idle, ahead = self.cfg.check_finite, self.heartbeat, self.idle, self.cfg.ahead
+        is_init = getattr(self.runner, "is_init", None)  # a recurrent policy's: rows starting an episode
+        record, step_envs, end_step = self._record_actions, self._step_envs, self._end_step
         random_left = self.steps < self.random_calls  # (init_random_frames: none left after the first batches)
         runner = self.runner
         clock = time.perf_counter
@@ -490,19 +297,8 @@ class Rollout:
             if runner.remote:  # the version of the server's forward pass for this step
                 versions[t] = runner.version
             if random and is_init is not None:  # (a recurrent policy's trajectory starts, stored all the same)
-                extras = random_step_extras(self.extra_leaves, is_init)
-                # spent: the policy's state is zeros still; but a replacement's first request to the
-                # server starts every row afresh (its rows there hold the state of the worker it replaces)
-                is_init[:] = bool(self.runner.remote and cfg.restart) and self.steps + 1 == self.random_calls
-            for dst, arr in zip(act_t, act_arrays):
-                dst[...] = arr
-            if takes_arrays:
-                env_actions = act_arrays
-            if guard is not None and not random:
-                env_actions = guard.apply(act_arrays, env_actions, self._action_step, self.stepping)
-            if extra_t:
-                for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
-                    dst[...] = arr
+                extras = self._random_extras(is_init)
+            env_actions = record(act_t, extra_t, env_actions, act_arrays, extras, random)
             finals = step_envs(env_actions, obs_t, nxt, rew_t, term_t, trunc_t)
             if check_finite:
                 self._check_finite(nxt, rew_t)
@@ -516,20 +312,68 @@ class Rollout:
                 break
             yield
         env_time += clock() - t_env
+        self.timing = {"env": env_time, "policy": policy_time}
+        self._end_batch(views, stage, versions, ends, hb)
+
+    def _begin_batch(self, views: dict[Key, np.ndarray]) -> tuple[Staging, list[tuple]]:
+        """Before a batch's first step: ``reset_at_each_iter``'s resets, the batch's staging and
+        each step's views (returned), the carried observations into the first step's, and the
+        rows' trajectories and env epochs told that the batch begins."""
+        if self.cfg.reset_at_each_iter and self.batches > 0:
+            self._reset_all()
+            self.trajs.new_trajs(np.arange(self.rows), self.steps)
+        stage = self._staging(views[("collector", "traj_ids")].shape[1])
+        frames = stage.slot_steps(views, self.obs_leaves, self.act_leaves, self.extra_leaves) if stage.in_slot else stage.steps
+        for dst, carried in zip(frames[0][0], self.cur_obs):
+            dst[...] = carried
+        first_step = self.steps
+        self.trajs.begin_batch(first_step)
+        self.env_epochs.begin(lambda: self.steps - first_step)
+        return stage, frames
+
+    def _random_extras(self, is_init: np.ndarray) -> list[np.ndarray]:
+        """A random step of a recurrent policy: the extras stored for it (the policy's state is
+        zeros still, and ``is_init`` is spent); but a replacement's first request to the server
+        starts every row afresh (its rows there hold the state of the worker it replaces)."""
+        extras = random_step_extras(self.extra_leaves, is_init)
+        is_init[:] = bool(self.runner.remote and self.cfg.restart) and self.steps + 1 == self.random_calls
+        return extras
+
+    def _record_actions(
+        self, act_t: list[np.ndarray], extra_t: list[np.ndarray], env_actions: Any, act_arrays: list[np.ndarray],
+        extras: Any, random: bool,
+    ) -> Any:
+        """The step's actions (``act_arrays``) and the policy's extra outputs written into its
+        frame; returns what the envs take: the runner's per-env actions (a vector env: the action
+        arrays), checked (and clipped) by the guard unless random."""
+        for dst, arr in zip(act_t, act_arrays):
+            dst[...] = arr
+        if self.takes_arrays:
+            env_actions = act_arrays
+        guard = self.guard
+        if guard is not None and not random:
+            env_actions = guard.apply(act_arrays, env_actions, self._action_step, self.stepping)
+        if extra_t:
+            for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
+                dst[...] = arr
+        return env_actions
+
+    def _end_batch(
+        self, views: dict[Key, np.ndarray], stage: Staging, versions: np.ndarray, ends: list[tuple[int, np.ndarray]],
+        hb: Any,
+    ) -> None:
+        """After a batch's last step: the staged frames, the policy versions, env epochs and
+        factories into the slot ``views``, and the trajectories' ids, step counts and episodes."""
         if hb is not None:
             hb.idle()
-        self.timing = {"env": env_time, "policy": policy_time}
         stage.into_slot(views, self.obs_leaves, self.act_leaves + self.extra_leaves)
         views[("collector", "policy_version")][...] = versions
         self.env_epochs.write(views.get(("collector", "env_epoch")))
         fn_index = views.get(("collector", "env_fn_index"))
         if fn_index is not None:  # (a list of create_env_fn: each row's factory; a vector env's sub-envs share it)
-            per_env = np.asarray(cfg.env_fn_index, np.int64)
+            per_env = np.asarray(self.cfg.env_fn_index, np.int64)
             fn_index[...] = np.repeat(per_env, self.rows // len(per_env))[:, None]
-        write_traj_ids(traj_buf, stage.done.T, first_traj, self.total_rows)
-        write_step_counts(views, stage.done.T, first_step - first_start)
-        self.cur_traj += self.total_rows * np.count_nonzero(stage.done, axis=0)
-        self._ends = self._tally(ends, stage, traj_buf, first_step, first_start)
+        self.trajs.end_batch(views, stage, ends)
         self.batches += 1
 
     def _end_step(
@@ -543,7 +387,7 @@ class Rollout:
         cut = None
         max_len = self.cfg.max_frames_per_traj
         if max_len is not None:  # (an episode's length after this step: steps + 1 - its start)
-            cut = self.ep_start <= self.steps + 1 - max_len
+            cut = self.trajs.ep_start <= self.steps + 1 - max_len
             cut &= ~env_ended
             if self.idle is not None:  # (rows with no episode left do not step)
                 cut &= ~self.idle
@@ -557,7 +401,7 @@ class Rollout:
         if len(rows):
             ends.append((t, rows))  # (their episodes are worked out once, at the end of the batch)
             self._after_ends(rows, env_ended, cut, finals, nxt, cur)
-            self.ep_start[rows] = self.steps + 1
+            self.trajs.ep_start[rows] = self.steps + 1
         self.steps += 1
 
     def _step_envs(
@@ -651,58 +495,8 @@ class Rollout:
 
     @property
     def episodes(self) -> Episodes:
-        """The episodes that ended in the last batch, in the order they ended, made from the
-        arrays kept per step (a 256-sub-env CartPole ends about a thousand episodes per batch: no
-        object per episode)."""
-        if self._ends is None:
-            return NO_EPISODES
-        rows, ids, rets, lens, terms = self._ends
-        return Episodes(self.env_ids[rows], ids, rets, lens, terms)
-
-    def _tally(
-        self, ends: list[tuple[int, np.ndarray]], stage: _Staging, traj_buf: np.ndarray, first_step: int,
-        first_start: np.ndarray,
-    ) -> tuple[np.ndarray, ...] | None:
-        """At the end of a batch: the episodes that ended in it (``ends``: the rows that ended at
-        each step, in order) as columns -- rows, trajectory ids, returns, lengths, terminated, in the
-        order they ended -- and each row's reward carried into the next batch (:attr:`ep_ret`).
-        Worked out from the batch's rewards with a few whole-batch operations rather than per step:
-        a row's return is its running sum of rewards (``float64``, from what it carried in, and
-        from zero after each end: added in the order the rewards came, as a plain loop adds them);
-        its length is the difference of the steps of its end and of its previous end in this batch,
-        or, for its first end, from its episode's start (``first_start``: each row's episode start
-        at the batch's first step, ``first_step``)."""
-        sums = stage.sums  # [T, E]: each row's return up to each step (a step at a time: faster than np.cumsum here)
-        np.copyto(sums, stage.rew)
-        sums[0] += self.ep_ret
-        ended_at = dict(ends)
-        add, rew = np.add, stage.rew
-        prev = sums[0]
-        for t, row in enumerate(sums[1:], 1):  # (each step's row a view made once)
-            add(prev, row, out=row)
-            restart = ended_at.get(t - 1)
-            if restart is not None:  # (after an end the sum starts again from the next reward)
-                row[restart] = rew[t, restart]
-            prev = row
-        self.ep_ret = np.where(stage.done[-1], 0.0, sums[-1])
-        if not ends:
-            return None
-        ts = np.repeat(np.array([t for t, _ in ends]), [len(r) for _, r in ends])
-        rows = np.concatenate([r for _, r in ends])
-        order = np.lexsort((ts, rows))  # by row, then by step
-        er, et = rows[order], ts[order]
-        first = np.empty(len(er), bool)  # the row's first end in this batch
-        first[0] = True
-        np.not_equal(er[1:], er[:-1], out=first[1:])
-        prev = np.empty_like(et)  # the step of the row's previous end (first ends: none)
-        prev[0] = 0
-        prev[1:] = et[:-1]
-        lens = et - prev
-        lens[first] = first_step + et[first] + 1 - first_start[er[first]]
-        back = np.empty_like(order)  # back into the order the episodes ended in
-        back[order] = np.arange(len(order))
-        return rows, traj_buf[rows, ts], sums[ts, rows], lens[back], stage.term[ts, rows]
-
+        """The episodes that ended in the last batch, in the order they ended."""
+        return self.trajs.episodes
 
     def batch_info(self) -> BatchInfo:
         """What the collector learns with each batch (small, sent over the worker's socket)."""
@@ -719,7 +513,7 @@ class Rollout:
     @property
     def traj_counters(self) -> list[int]:
         """Per env row of this worker: the number of the trajectory it is in now."""
-        return ((self.cur_traj - self.env_ids) // self.total_rows).tolist()
+        return self.trajs.counters
 
     def close(self) -> None:
         self._stage = None  # (its steps hold views on the slots: they must not keep them mapped)

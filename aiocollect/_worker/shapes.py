@@ -83,6 +83,40 @@ def _name(model: Any, layer: Any) -> str:
     return str(layer)  # pragma: no cover - a layer of the model, found among its modules
 
 
+def _read_leaves(runner: Any, leaves: list[Any]) -> list[int]:
+    """The observation leaves (their indices) ``runner``'s policy reads."""
+    if hasattr(runner, "in_idx"):  # a module on tensors: the leaves it reads
+        return list(runner.in_idx)
+    # a TensorDict policy: the observation leaves among its in_keys (all of them if unknown)
+    in_keys = {k if isinstance(k, tuple) else (k,) for k in getattr(getattr(runner, "policy", None), "in_keys", ()) or ()}
+    return [i for i, leaf in enumerate(leaves) if leaf.key in in_keys] or list(range(len(leaves)))
+
+
+def _fix(layer: Any, size: int, obs_shape: tuple[int, ...], first_raised: bool) -> str:
+    """What to do about ``layer`` (which takes ``size``) given the one observation leaf the policy
+    reads, of shape ``obs_shape`` (``()``: several leaves, or a scalar one: no particular advice);
+    ``first_raised``: the layer is the policy's first (the one that raised, or none did)."""
+    import torch
+
+    fix = "build the policy for the env's observations"
+    if not obs_shape:
+        return fix
+    if isinstance(layer, torch.nn.modules.conv._ConvNd):
+        if len(obs_shape) == len(layer.kernel_size) + 1 and obs_shape[-1] == size and obs_shape[0] != size:
+            return (
+                f"the observation {obs_shape} looks channels-last: permute it to channels-first in the policy "
+                f"(observation.movedim(-1, -{len(obs_shape)})) or with an env wrapper, or {fix}"
+            )
+        return fix + f" (in_channels={obs_shape[0]} for channels-first observations {obs_shape})"
+    if len(obs_shape) == 1 and first_raised and size != obs_shape[0]:
+        return fix + (f" ({type(layer).__name__} in_features={obs_shape[0]})" if isinstance(layer, torch.nn.Linear) else (
+            f" (input_size={obs_shape[0]})"
+        ))
+    if len(obs_shape) > 1 and isinstance(layer, (torch.nn.Linear, torch.nn.RNNBase)):
+        return fix + f" (flatten the observation {obs_shape} first, e.g. torch.nn.Flatten(), if it is an image)"
+    return fix
+
+
 def input_mismatch(exc: BaseException, runner: Any, obs: list[Any]) -> SpecError | None:
     """The :class:`SpecError` for ``exc``, raised by the first call of ``runner``'s policy on
     observations ``obs`` (one array per observation leaf, ``[rows, *shape]``), if it is a shape
@@ -95,11 +129,7 @@ def input_mismatch(exc: BaseException, runner: Any, obs: list[Any]) -> SpecError
     model = getattr(runner, "model", None)
     raising = _raising_layer(exc, model)
     leaves = runner.obs_leaves
-    if hasattr(runner, "in_idx"):  # a module on tensors: the leaves it reads
-        read = list(runner.in_idx)
-    else:  # a TensorDict policy: the observation leaves among its in_keys (all of them if unknown)
-        in_keys = {k if isinstance(k, tuple) else (k,) for k in getattr(getattr(runner, "policy", None), "in_keys", ()) or ()}
-        read = [i for i, leaf in enumerate(leaves) if leaf.key in in_keys] or list(range(len(leaves)))
+    read = _read_leaves(runner, leaves)
     gives = ", ".join(
         f"the observation of shape {leaves[i].shape} per env ({leaves[i].dtype}; a batch {list(obs[i].shape)} "
         f"in that call)"
@@ -129,24 +159,7 @@ def input_mismatch(exc: BaseException, runner: Any, obs: list[Any]) -> SpecError
         )
     else:
         what = f"its first layer with a fixed input size, {_name(model, layer)}, takes {size} {where}"
-    import torch
-
-    fix = "build the policy for the env's observations"
-    if len(read) == 1 and obs_shape:
-        if isinstance(layer, torch.nn.modules.conv._ConvNd):
-            if len(obs_shape) == len(layer.kernel_size) + 1 and obs_shape[-1] == size and obs_shape[0] != size:
-                fix = (
-                    f"the observation {obs_shape} looks channels-last: permute it to channels-first in the policy "
-                    f"(observation.movedim(-1, -{len(obs_shape)})) or with an env wrapper, or {fix}"
-                )
-            else:
-                fix += f" (in_channels={obs_shape[0]} for channels-first observations {obs_shape})"
-        elif len(obs_shape) == 1 and (raising is None or raising is first) and size != obs_shape[0]:
-            fix += f" ({type(layer).__name__} in_features={obs_shape[0]})" if isinstance(layer, torch.nn.Linear) else (
-                f" (input_size={obs_shape[0]})"
-            )
-        elif len(obs_shape) > 1 and isinstance(layer, (torch.nn.Linear, torch.nn.RNNBase)):
-            fix += f" (flatten the observation {obs_shape} first, e.g. torch.nn.Flatten(), if it is an image)"
+    fix = _fix(layer, size, obs_shape if len(read) == 1 else (), raising is None or raising is first)
     return SpecError(f"{head}: {what}; {fix}, or give it an env whose observation space is the one it was built for")
 
 

@@ -10,9 +10,12 @@ would be numbered, so seeds, trajectory ids and episode events follow the single
 
 The number of sub-envs is known only once a worker made its env: the worker derives its own counts
 from it (every worker's vector env has the same ``num_envs``, which the collector checks), reports
-it in its spec (``"num_envs"``), and the collector derives the batch layout and its counters from
-it (:func:`learn_sub_envs`). A :class:`~aiocollect._worker.rollout.RolloutConfig` counts env *copies*
-(``total_envs``; ``random_steps`` in frames of each copy) and sub-envs only in ``traj_counters``.
+it in its spec (``"num_envs"``, read back by :func:`reported_sub_envs`), and the collector's
+:class:`~aiocollect._core.geometry.Geometry` becomes ``geometry.with_sub_envs(num_envs)``, from which
+the batch layout and the counters are derived (:func:`reported_sub_envs`, then
+:meth:`Geometry.with_sub_envs <aiocollect._core.geometry.Geometry.with_sub_envs>`). A
+:class:`~aiocollect._worker.rollout.RolloutConfig` counts env *copies* (``total_envs``;
+``random_steps`` in frames of each copy) and sub-envs only in ``traj_counters``.
 
 **Autoreset.** A frame of the batch is always a real transition, as with single envs: at an
 episode end ``("next", obs)`` is the true final observation and ``obs`` at ``t + 1`` the reset
@@ -40,7 +43,6 @@ Imported by worker processes: numpy and gymnasium only (torch through the policy
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,14 +50,15 @@ import numpy as np
 from .._core.datachecks import check_value, first_nonfinite, short
 from .._core.errors import ConfigError, SpecError
 from .._core.heartbeat import RESET, STEP
-from .._core.limits import check_seed
 from .._core.layout import Leaf, is_bare, unflattener
 from .._core.registry import install as install_registry
 from .vecenv import _SAME, VecEnv, is_vector
 if TYPE_CHECKING:
     from .groups import GroupedRollout
 from .envs import close_envs, create_env, made_by, make_env
-from .rollout import Rollout, RolloutConfig, derived_seed
+from .rollout import Rollout, RolloutConfig
+from .policy_setup import action_guard
+from .seeding import row_seeds, seeded_spaces
 
 def open_rollout(cfg: RolloutConfig, local_policy: Any = None) -> "Rollout | GroupedRollout":
     """The rollout of one worker: its first env decides whether it steps single envs or vector
@@ -96,11 +99,10 @@ def _replayed(rollout: Any, cfg: RolloutConfig) -> Any:
     return rollout
 
 
-def learn_sub_envs(specs: list[dict], config: Any, start_counters: list[int] | None, seed: int | None) -> int:
-    """Collector side, once the workers reported their specs: the sub-envs of each of their envs
-    (a vector env's ``num_envs``; 1 for single envs). Raises :class:`SpecError` when workers
-    disagree, :class:`ConfigError` when ``frames_per_batch`` does not split evenly over the env
-    rows, or the trajectory counters to resume from or the seed do not fit their number."""
+def reported_sub_envs(specs: list[dict]) -> int | None:
+    """The sub-envs of each env copy, as the workers' specs report them (a vector env's
+    ``num_envs``, see :meth:`VectorRollout.spec`); ``None`` for single envs. Raises
+    :class:`SpecError` when workers disagree."""
     counts = [int(s.get("num_envs", 1)) for s in specs]
     n = counts[0]
     for w, k in enumerate(counts):
@@ -109,29 +111,7 @@ def learn_sub_envs(specs: list[dict], config: Any, start_counters: list[int] | N
                 f"worker {w}'s envs have num_envs={k} sub-envs but worker 0's have {n}: every vector env must have "
                 f"the same num_envs (and every worker's env must be of the same kind)"
             )
-    if n == 1 and "num_envs" not in specs[0]:
-        return 1  # single envs: the config checked all this at construction
-    c = config
-    rows = c.envs_per_batch * n
-    if c.frames_per_batch % rows:
-        who = f"{c.envs_per_worker} envs_per_worker x {n} sub-envs (num_envs)"
-        if c.delivery == "sync" and c.workers > 1:
-            who = f"{c.workers} workers x {who}"
-        lower = c.frames_per_batch // rows * rows
-        raise ConfigError(
-            f"frames_per_batch={c.frames_per_batch} is not a multiple of the {rows} env rows that fill each batch "
-            f"({who}: each sub-env of a vector env is a row of the batch); use frames_per_batch={lower + rows}"
-            + (f" or {lower}" if lower else "") + ", or vector envs with another num_envs"
-        )
-    total = c.total_envs * n
-    if start_counters is not None and len(start_counters) != total:
-        raise ConfigError(
-            f"the state loaded with load_state_dict() has trajectory counters for {len(start_counters)} envs, this "
-            f"collector has {total} ({c.total_envs} vector envs of {n} sub-envs); resume with the same num_workers, "
-            f"envs_per_worker and num_envs"
-        )
-    check_seed(seed, offset=total + c.workers - 1)
-    return n
+    return None if n == 1 and "num_envs" not in specs[0] else n
 
 
 class _ArrayActions:
@@ -214,14 +194,11 @@ class VectorRollout(Rollout):
             )
         env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
         self._start_rows(env_ids, self.total_rows, [counters[g] for g in env_ids] if counters else [0] * E)
-        seeds = self._seeds()
-        self.action_spaces = []
-        for seed in seeds:
-            space = copy.deepcopy(self.act_space)
-            space.seed(seed)
-            self.action_spaces.append(space)
-        self.guard = self._make_guard(
-            [f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds, per_env=lambda arrays: arrays
+        seeds = row_seeds(cfg.seed, cfg.static_seed, cfg.restart, self.env_ids)
+        self.action_spaces = seeded_spaces([self.act_space] * E, seeds)
+        self.guard = action_guard(
+            self.act_space, self.act_leaves, [f"env {g}" for g in self.env_ids], cfg.check_finite, cfg.action_bounds,
+            per_env=lambda arrays: arrays,
         )
         self.partial = all(v.partial for v in self.vecs)
         # the common case of _after_ends, in one call: one next-step vector env writing its reset
@@ -239,20 +216,10 @@ class VectorRollout(Rollout):
         for c, vec in enumerate(self.vecs):
             obs = vec.reset(seeds[c * n : (c + 1) * n])
             self._write_obs(c, obs, self.cur_obs, None, "returned by reset")
-        self._build_policy(local_policy, E, self.total_rows)
+        self._build_policy(local_policy, self.total_rows)
         if hasattr(self.runner, "env_actions"):
             self.runner.env_actions = _ArrayActions()  # the env takes arrays: no per-env list
         self._decorrelate()
-
-    def _seeds(self) -> list[int | None]:
-        cfg = self.cfg
-        if cfg.seed is None:
-            return [None] * self.rows
-        if cfg.static_seed:
-            return [cfg.seed] * self.rows
-        if cfg.restart:
-            return [derived_seed(cfg.seed, int(g), cfg.restart) for g in self.env_ids]
-        return [cfg.seed + int(g) for g in self.env_ids]
 
     def spec(self) -> dict[str, Any]:
         return {**super().spec(), "num_envs": self.n}
