@@ -106,6 +106,10 @@ class BatchStream:
                 self._recv().close()
             self.raise_end()
         except anyio.ClosedResourceError:
+            if s.phase is Phase.ENDED:
+                # another consumer task saw the end and closed the stream while this one entered
+                # receive() (which yields before it reads): this one sees the same end
+                self.raise_end()
             raise life.closed_error("collect() waiting for a batch") from None
         self.delivered(parts, frames)
         return batch
