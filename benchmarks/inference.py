@@ -37,6 +37,11 @@ forward pass, and the GPU's utilisation where ``torch.cuda.utilization()`` can r
 the server on the GPU also with ``worker_groups=2`` and with ``cudagraph_policy=True``; and the
 same envs stepped with random actions and no policy ("random actions"), the limit: each row's
 frames/s is also given as a fraction of it.
+
+With ``--pass-parts``, one more window of the server (on the GPU with ``--device cuda``) times each
+part of its forward pass: gathering the observations, staging them, the copy to the device, the
+forward pass, reading the actions back, writing the answers, waking the workers; and the wait
+between two passes (``_pass_parts.py``).
 """
 
 from __future__ import annotations
@@ -263,6 +268,31 @@ def run_case(name: str, env: Any, policy: nn.Module, args: argparse.Namespace, e
     return table
 
 
+def pass_parts(title: str, env: Any, policy: nn.Module, args: argparse.Namespace, envs: int, steps: int,
+               setup: str) -> dict[str, Any]:
+    """``--pass-parts``: one more window of ``setup`` with the server's parts timed (see
+    ``_pass_parts.py``); prints the table and returns ms per pass of each part."""
+    import anyio
+
+    from _pass_parts import PassParts
+
+    parts = PassParts("cuda" if SETUPS[setup][2] == "cuda" else "cpu")
+    log(f"{title}: {setup}, its forward pass part by part ({args.seconds:g} s) ...")
+    try:
+        with parts.active(type(policy)):
+            res = anyio.run(_measure, env, policy, setup, args, envs, steps, backend="asyncio",
+                            backend_options={"use_uvloop": True})
+    finally:
+        reap(f"{title} parts")
+    log(f"\n{title}: {setup}, one forward pass part by part ({res['fps']:,.0f} frames/s while timed; each part "
+        f"{'waits for the GPU before the next, so the parts add up to more than a pass untimed' if parts.cuda else 'timed on its own'})")
+    for line in parts.table():
+        log("  " + line)
+    n = max(parts.passes, 1)
+    return {"fps": res["fps"], "passes": parts.passes, "ms": {k: v / n * 1e3 for k, v in parts.seconds.items()},
+            "ms_per_pass": parts.pass_seconds / n * 1e3, "ms_between": parts.between / max(parts.passes - 1, 1) * 1e3}
+
+
 def print_table(title: str, table: dict[str, Any]) -> None:
     log(f"\n{title}")
     trainer = any("trainer_per_s" in row for row in table.values())
@@ -310,6 +340,14 @@ def main(args: argparse.Namespace) -> int:
         print_table(f"Pong (84x84 grey, 4 frames), Nature-CNN, {args.workers} workers x {args.pong_envs} envs", pong)
     else:
         log(f"\nPong: {problem}")
+    if args.pass_parts:
+        torch.manual_seed(0)
+        out["cartpole_parts"] = pass_parts("CartPole-v1", "CartPole-v1", ArgmaxMLP(), args, args.cartpole_envs,
+                                           args.steps, "server")
+        if pong is not None:
+            torch.manual_seed(0)
+            out["pong_parts"] = pass_parts("Pong", make_pong, NatureCNN(), args, args.pong_envs, args.pong_steps,
+                                           "server")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -344,6 +382,14 @@ def run_gpu(args: argparse.Namespace, out: dict[str, Any]) -> int:
         limit = table[RANDOM]["fps"]
         log("  frames/s as a fraction of random actions (no policy): " + ", ".join(
             f"{setup} {row['fps'] / limit:.2f}" for setup, row in table.items() if setup != RANDOM))
+    if args.pass_parts:
+        out["gpu_parts"] = {}
+        for total in args.gpu_envs:
+            torch.manual_seed(0)
+            envs = max(total // args.workers, 1)
+            out["gpu_parts"][str(total)] = pass_parts(
+                f"Pong, {args.workers} workers x {envs} envs", make_pong, NatureCNN(), args, envs, args.pong_steps,
+                "server on cuda")
     out["gpu"] = {str(k): v for k, v in tables.items()}
     if args.json:
         with open(args.json, "w") as f:
@@ -386,6 +432,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setups", type=_setup_names, default=None,
                    help="the CPU setups to measure, ';'-separated, e.g. 'server, idle;idle, pinned' (default: all; "
                         "worker inference, the ratios' base, is always measured)")
+    p.add_argument("--pass-parts", action="store_true",
+                   help="then one more window of the server (on the GPU with --device cuda) with each part of its "
+                        "forward pass timed: gathering, staging, the copy to the device, the forward pass, reading "
+                        "the actions back, the answers; and the wait between passes")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p.parse_args(argv)
 

@@ -13,7 +13,7 @@ launcher running), ``--repeat`` runs each (default 5, interleaved), printed as t
   aiocollect import Collector`` (and ``import torch`` and a 4-64-2 MLP acting by argmax, for the MLP
   policy), then ``anyio.run`` of ``async with Collector("CartPole-v1", policy, frames_per_batch=2048,
   num_workers=2, envs_per_worker=8)`` up to its first batch (``--workers 1,2,4``: a row per number
-  of workers). Timed from just before this process starts the child (so the interpreter's start is
+  of workers; where 2048 is not a multiple of the envs, the next multiple: 2160 for 15 workers). Timed from just before this process starts the child (so the interpreter's start is
   included) to the first batch in the child; the breakdown shows when the child's imports were
   done and what ``Collector(...)`` -> first batch took (what the launcher had not done yet, forking
   the workers, their envs' creation and first 2048 frames, the collector's import of tensordict).
@@ -91,10 +91,10 @@ async def main():
     out = {{}}
     for key in ("first", "second"):
         t0 = {clock}
-        async with Collector("CartPole-v1", policy, frames_per_batch=2048, num_workers={workers},
+        async with Collector("CartPole-v1", policy, frames_per_batch={frames}, num_workers={workers},
                              envs_per_worker=8) as collector:
             async for batch in collector:
-                assert batch.numel() == 2048
+                assert batch.numel() == {frames}
                 out[key] = {clock} - t0
                 out[key + "_at"] = {clock}
                 break
@@ -134,7 +134,8 @@ def measure_imports(statements: list[str]) -> dict[str, float]:
 
 
 def measure_first_batch(policy: str, workers: int = 2) -> dict[str, float]:
-    code = USER_SCRIPT.format(clock=CLOCK, policy=_POLICIES[policy], mark=MARK, workers=workers)
+    code = USER_SCRIPT.format(clock=CLOCK, policy=_POLICIES[policy], mark=MARK, workers=workers,
+                              frames=-(-2048 // (workers * 8)) * workers * 8)
     t_launch, out = _run_child(code)
     return {
         "launch_to_first_batch": out["first_at"] - t_launch,

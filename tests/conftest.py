@@ -136,7 +136,8 @@ def imports_left_out_of_gc():
 
 def _torch_own_thread(thread: threading.Thread) -> bool:
     """A process-wide thread that torch.compile starts once and keeps for the next compilations:
-    Inductor's compile-worker pool and the monitor of the tqdm bar it shows while compiling (torch's
+    Inductor's compile-worker pool, the timer that quiets that pool once idle (started again by the
+    next compilation, on a GPU), and the monitor of the tqdm bar it shows while compiling (torch's
     threads, not the collector's: they stay whatever the collector does)."""
     import sys
 
@@ -145,6 +146,8 @@ def _torch_own_thread(thread: threading.Thread) -> bool:
     return (
         thread.name.startswith("InductorSubproc")
         or (thread.name == "tqdm_monitor" and type(thread).__module__.startswith("tqdm"))
+        or (thread.name == "subproc_worker_timer"
+            and type(getattr(getattr(thread, "_target", None), "__self__", None)).__module__.startswith("torch._inductor"))
         or _in_inductor_thread_pool(thread)
     )
 

@@ -111,6 +111,20 @@ def test_inference_benchmark_beside_a_busy_trainer_reports_the_trainers_rate():
     assert "trainer/s" in out and not warnings_in(out), out
 
 
+@pytest.mark.timeout(120)
+def test_inference_benchmark_times_each_part_of_a_server_pass():
+    """``--pass-parts``: one more window of the server with its pass timed part by part (the
+    parts' rows, the instrumented pass, the wait between passes)."""
+    out = run_script("inference.py", "--skip-pong", "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2",
+                     "--setups", "server", "--pass-parts", "--patience", "10", timeout=110)
+    table = out[out.index("CartPole-v1: server, one forward pass part by part"):]
+    ms = {m[0]: float(m[1]) for m in re.findall(r"^  (gather|forward|read back|write|answer|other|pass|between)\s+"
+                                                r"(-?[\d.]+)", table, re.M)}
+    assert set(ms) == {"gather", "forward", "read back", "write", "answer", "other", "pass", "between"}, out
+    assert ms["pass"] > 0 and ms["forward"] > 0 and ms["forward"] <= ms["pass"], out
+    assert re.search(r"one instrumented pass \(([\d,]+) passes\)", table) and not warnings_in(out), out
+
+
 FAKE_BENCHMARK = """
 import argparse, json, os, aiocollect
 p = argparse.ArgumentParser(); p.add_argument("--json"); p.add_argument("--scale", type=float, default=1.0)

@@ -35,7 +35,7 @@ SITE=${CHECK_SITE:-${TMPDIR:-/tmp}/aiocollect-gpu-site}
 LOG=${OUT:-${TMPDIR:-/tmp}/aiocollect-gpu-check}
 JOBS=${CHECK_JOBS:-15}
 BUDGET=${CHECK_BUDGET_S:-540}
-BENCH_ARGS=${BENCH_ARGS:---rounds 1 --seconds 3 --warmup 1 --workers 8 --gpu-envs 64,256}
+BENCH_ARGS=${BENCH_ARGS:---rounds 1 --seconds 3 --warmup 1 --workers 8 --gpu-envs 64,256 --pass-parts}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
 
 if [ ! -f pyproject.toml ] || ! grep -q '^name = "aiocollect"' pyproject.toml; then
