@@ -157,10 +157,14 @@ def plot_startup(data: Mapping[str, Any], fig: Any) -> None:
 
     for row, runs in data.get("imports", {}).items():
         add("python up" if row == "python -c pass" else row, runs, "launch_to_done" if row == "python -c pass" else "total")
-    for policy, runs in data.get("first_batch", {}).items():
-        add(f"launch -> first batch, {policy} policy", runs, "launch_to_first_batch")
-    for policy, runs in data.get("first_batch", {}).items():
-        add(f"second collector, {policy} policy", runs, "second_collector")
+    def policy_words(label: str) -> str:  # "MLP, 4 workers" (a row per number of workers): "MLP policy, 4 workers"
+        policy, _, workers = label.partition(", ")
+        return f"{policy} policy" + (f", {workers}" if workers else "")
+
+    for label, runs in data.get("first_batch", {}).items():
+        add(f"launch -> first batch, {policy_words(label)}", runs, "launch_to_first_batch")
+    for label, runs in data.get("first_batch", {}).items():
+        add(f"second collector, {policy_words(label)}", runs, "second_collector")
     ax = fig.subplots()
     y = list(range(len(names)))[::-1]
     ax.barh(y, med, color=[OURS if "first batch" in n or "collector" in n.lower() or "aiocollect" in n else OTHER

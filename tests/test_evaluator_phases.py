@@ -8,7 +8,6 @@ but ``EvalRun.move_to``."""
 from __future__ import annotations
 
 import ast
-import functools
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from aiocollect._core.phases import Lifecycle, _PhaseError, checked_table
 from aiocollect._evaluator.lifecycle import TRANSITIONS, EvalPhase
 from aiocollect._evaluator.run import EvalRun
 from aiocollect.testing import InjectedFailure
+from phase_moves import path, record_moves
 from procs import alive as _alive
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.loops("asyncio", "uvloop", "trio")]
@@ -30,27 +30,8 @@ A_WHOLE_LIFE = [EvalPhase.CREATED, EvalPhase.STARTING, EvalPhase.RUNNING, EvalPh
 
 @pytest.fixture
 def moves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[EvalPhase, EvalPhase]]:
-    """Every phase move of every evaluator's run made during the test, as (from, to); each move
-    is also checked against the table, and the phase entered must report its public state."""
-    seen: list[tuple[EvalPhase, EvalPhase]] = []
-    original = EvalRun.move_to
-
-    @functools.wraps(original)
-    def move_to(self: EvalRun, phase: EvalPhase) -> None:
-        before = self.phase
-        original(self, phase)
-        assert phase in TRANSITIONS[before], f"{before.name} -> {phase.name} was made, and is not in the table"
-        assert self.phase is phase and self.state is phase.public
-        seen.append((before, phase))
-
-    monkeypatch.setattr(EvalRun, "move_to", move_to)
-    return seen
-
-
-def _path(moves: list[tuple[EvalPhase, EvalPhase]]) -> list[EvalPhase]:
-    for (_, to), (frm, _) in zip(moves, moves[1:]):
-        assert to is frm, f"the moves do not chain: {moves}"
-    return [moves[0][0], *(to for _, to in moves)]
+    """Every phase move of every evaluator's run made during the test, each checked as it is made (:func:`phase_moves.record_moves`)."""
+    return record_moves(monkeypatch, EvalRun, TRANSITIONS, lambda run: run.state)
 
 
 def _raising_env():
@@ -162,7 +143,7 @@ async def test_created_then_closed(moves):
     await ev.aclose()
     await ev.aclose()  # idempotent: no second move
     assert ev.state is EvaluatorState.CLOSED
-    assert _path(moves) == [EvalPhase.CREATED, EvalPhase.CLOSED]
+    assert path(moves) == [EvalPhase.CREATED, EvalPhase.CLOSED]
     with pytest.raises(EvaluatorClosedError):
         await ev.start()
 
@@ -181,7 +162,7 @@ async def test_started_evaluating_then_closed(moves):
     states.append(ev.state)
     assert states == [EvaluatorState.CREATED, EvaluatorState.RUNNING, EvaluatorState.RUNNING,
                       EvaluatorState.CLOSED]
-    assert _path(moves) == A_WHOLE_LIFE
+    assert path(moves) == A_WHOLE_LIFE
 
 
 async def test_started_by_its_first_trigger_then_closed_with_async_with(moves):
@@ -189,7 +170,7 @@ async def test_started_by_its_first_trigger_then_closed_with_async_with(moves):
         assert ev.trigger(step=0)
         assert ev.state in (EvaluatorState.STARTING, EvaluatorState.RUNNING)
         assert (await ev.wait())["step"] == 0
-    assert _path(moves) == A_WHOLE_LIFE
+    assert path(moves) == A_WHOLE_LIFE
 
 
 async def test_a_failed_start(moves):
@@ -200,7 +181,7 @@ async def test_a_failed_start(moves):
         await ev.start()
     assert ev.state is EvaluatorState.CLOSED
     await ev.aclose()
-    assert _path(moves) == [EvalPhase.CREATED, EvalPhase.STARTING, EvalPhase.START_FAILED, EvalPhase.CLOSED]
+    assert path(moves) == [EvalPhase.CREATED, EvalPhase.STARTING, EvalPhase.START_FAILED, EvalPhase.CLOSED]
     assert EvalPhase.START_FAILED.public is EvaluatorState.STARTING
 
 
@@ -226,7 +207,7 @@ async def test_closed_while_starting(moves):
             await ev.aclose()
         assert ev.state is EvaluatorState.CLOSED
     assert outcome == ["closed"]
-    assert _path(moves) == [EvalPhase.CREATED, EvalPhase.STARTING, EvalPhase.CLOSING, EvalPhase.CLOSED]
+    assert path(moves) == [EvalPhase.CREATED, EvalPhase.STARTING, EvalPhase.CLOSING, EvalPhase.CLOSED]
 
 
 async def test_closing_state_reads_closed_before_the_task_has_ended(moves):
@@ -248,7 +229,7 @@ async def test_closing_state_reads_closed_before_the_task_has_ended(moves):
         await ev.aclose()
     assert seen == [(EvaluatorState.CLOSED, False)]
     assert not _alive(pid)
-    assert _path(moves)[-2:] == [EvalPhase.CLOSING, EvalPhase.CLOSED]
+    assert path(moves)[-2:] == [EvalPhase.CLOSING, EvalPhase.CLOSED]
 
 
 @pytest.mark.loops("asyncio")
@@ -261,4 +242,4 @@ def test_synchronous_code_makes_the_same_moves(moves):
     finally:
         ev.shutdown()
     assert ev.state is EvaluatorState.CLOSED
-    assert _path(moves) == A_WHOLE_LIFE
+    assert path(moves) == A_WHOLE_LIFE

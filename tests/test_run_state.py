@@ -16,6 +16,7 @@ import pytest
 from aiocollect import Collector, CollectorState, ConfigError
 from aiocollect._collector.run_state import TRANSITIONS, Phase, _PhaseError, RunState
 from aiocollect.testing import CountingEnv, InjectedFailure
+from phase_moves import path, record_moves
 
 ROOT = Path(__file__).resolve().parents[1] / "aiocollect"
 
@@ -30,26 +31,8 @@ PARTS = [
 
 @pytest.fixture
 def moves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Phase, Phase]]:
-    """Every phase move of every run made during the test, as (from, to); each move also checks
-    that the phase entered reports its public state."""
-    seen: list[tuple[Phase, Phase]] = []
-    original = RunState.move_to
-
-    @functools.wraps(original)
-    def move_to(self: RunState, phase: Phase) -> None:
-        before = self.phase
-        original(self, phase)
-        assert self.public_state is phase.public
-        seen.append((before, phase))
-
-    monkeypatch.setattr(RunState, "move_to", move_to)
-    return seen
-
-
-def _path(moves: list[tuple[Phase, Phase]]) -> list[Phase]:
-    for (_, to), (frm, _) in zip(moves, moves[1:]):
-        assert to is frm, f"the moves do not chain: {moves}"
-    return [moves[0][0], *(to for _, to in moves)]
+    """Every phase move of every run made during the test, each checked as it is made (:func:`phase_moves.record_moves`)."""
+    return record_moves(monkeypatch, RunState, TRANSITIONS, lambda run: run.public_state)
 
 
 def test_public_states_are_the_five_documented_ones():
@@ -83,7 +66,7 @@ def test_a_move_the_lifecycle_does_not_allow_is_refused():
 async def test_closing_an_unstarted_collector(moves):
     c = Collector(CountingEnv, frames_per_batch=8, num_workers=0)
     await c.aclose()
-    assert _path(moves) == [Phase.CREATED, Phase.CLOSED]
+    assert path(moves) == [Phase.CREATED, Phase.CLOSED]
 
 
 async def test_a_run_to_total_frames_then_its_end_then_close(moves):
@@ -95,7 +78,7 @@ async def test_a_run_to_total_frames_then_its_end_then_close(moves):
     assert c.state is CollectorState.STOPPED
     await c.aclose()
     assert c.state is CollectorState.CLOSED
-    assert _path(moves) == [
+    assert path(moves) == [
         Phase.CREATED, Phase.STARTING, Phase.RUNNING, Phase.FINISHED, Phase.COMPLETED, Phase.ENDED,
         Phase.STOPPED_CLOSING, Phase.CLOSED,
     ]
@@ -106,7 +89,7 @@ async def test_closing_while_running(moves):
         await c.collect()
         assert c.state is CollectorState.RUNNING
     assert c.state is CollectorState.CLOSED
-    assert _path(moves) == [
+    assert path(moves) == [
         Phase.CREATED, Phase.STARTING, Phase.RUNNING, Phase.CLOSING, Phase.STOPPED_CLOSING, Phase.CLOSED,
     ]
 
@@ -122,9 +105,9 @@ async def test_closing_while_starting(moves):
         assert c.state is CollectorState.STARTING
         await c.aclose()
     assert c.state is CollectorState.CLOSED
-    path = _path(moves)
-    assert path[:3] == [Phase.CREATED, Phase.STARTING, Phase.CANCELLING_START], path
-    assert path[-1] is Phase.CLOSED and path[-2] in (Phase.STOPPED_CLOSING, Phase.LAUNCH_FAILED), path
+    went = path(moves)
+    assert went[:3] == [Phase.CREATED, Phase.STARTING, Phase.CANCELLING_START], went
+    assert went[-1] is Phase.CLOSED and went[-2] in (Phase.STOPPED_CLOSING, Phase.LAUNCH_FAILED), went
 
 
 async def test_a_failed_start_up(moves):
@@ -133,7 +116,7 @@ async def test_a_failed_start_up(moves):
         await c.start()
     assert not isinstance(info.value, ConfigError)
     assert c.state is CollectorState.CLOSED
-    assert _path(moves) == [Phase.CREATED, Phase.STARTING, Phase.LAUNCH_FAILED, Phase.CLOSED]
+    assert path(moves) == [Phase.CREATED, Phase.STARTING, Phase.LAUNCH_FAILED, Phase.CLOSED]
 
 
 async def test_a_worker_failure_while_running(moves):
@@ -144,7 +127,7 @@ async def test_a_worker_failure_while_running(moves):
     assert isinstance(info.value, InjectedFailure) or isinstance(info.value.__cause__, InjectedFailure), info.value
     assert c.state is CollectorState.STOPPED
     await c.aclose()
-    assert _path(moves) == [
+    assert path(moves) == [
         Phase.CREATED, Phase.STARTING, Phase.RUNNING, Phase.STOPPED, Phase.ENDED, Phase.STOPPED_CLOSING, Phase.CLOSED,
     ]
 

@@ -734,7 +734,7 @@ class CollectorConfig:
         return None if total is None or total == -1 else total // self.frames_per_batch
 
     @property
-    def random_steps(self) -> int:
+    def random_frames(self) -> int:
         """Frames of each env copy taken with random actions (``init_random_frames`` spread evenly
         over the copies: :meth:`Geometry.per_copy`)."""
         return self.geometry.per_copy(self.init_random_frames or 0)

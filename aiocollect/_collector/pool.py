@@ -295,7 +295,7 @@ class WorkerPool:
                 seed=resume.seed,
                 static_seed=resume.static_seed,
                 max_frames_per_traj=c.max_frames_per_traj,
-                random_steps=max(c.random_steps - resume.frames // c.geometry.total_envs, 0),
+                random_frames=max(c.random_frames - resume.frames // c.geometry.total_envs, 0),
                 reset_at_each_iter=c.reset_at_each_iter,
                 traj_counters=counters,
                 registry=registry,

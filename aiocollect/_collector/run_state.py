@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import anyio
 
 from .. import events as ev
-from .._core.phases import Lifecycle, _PhaseError, checked_table
+from .._core.phases import Lifecycle, PhaseEnum, _PhaseError, checked_table
 from .._core.profiling import RunProfiling
 from .._core.public import public
 from .._service.bus import EventBus
@@ -56,7 +56,7 @@ class CollectorState(enum.Enum):
 State = CollectorState  # the name it had first, still exported
 
 
-class Phase(enum.Enum):
+class Phase(PhaseEnum):
     """Where a run is in its life; :attr:`public` is what ``collector.state`` reports for it."""
 
     CREATED = CollectorState.CREATED, "constructed; no worker yet"
@@ -71,10 +71,6 @@ class Phase(enum.Enum):
     STOPPED_CLOSING = CollectorState.STOPPED, "being closed: the workers are gone, the close ends"
     ENDED = CollectorState.STOPPED, "the consumer saw the end of the stream"
     CLOSED = CollectorState.CLOSED, "every process and shared-memory segment is released"
-
-    def __init__(self, public_state: CollectorState, meaning: str) -> None:
-        self.public = public_state
-        self.meaning = meaning
 
     @property
     def closing(self) -> bool:

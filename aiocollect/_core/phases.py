@@ -15,9 +15,18 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Generic, Mapping, TypeVar
+from typing import Any, Generic, Mapping, TypeVar
 
 P = TypeVar("P", bound=enum.Enum)
+
+
+class PhaseEnum(enum.Enum):
+    """The base of a lifecycle's phases: each member is written ``NAME = public_state, meaning``
+    and reports both (``phase.public``, ``phase.meaning``)."""
+
+    def __init__(self, public_state: Any, meaning: str) -> None:
+        self.public = public_state
+        self.meaning = meaning
 
 
 class _PhaseError(AssertionError):
@@ -71,4 +80,4 @@ class Lifecycle(Generic[P]):
         return f"<Lifecycle of {self._who}: {self._phase.name}>"
 
 
-__all__ = ["Lifecycle", "_PhaseError", "checked_table"]
+__all__ = ["Lifecycle", "PhaseEnum", "_PhaseError", "checked_table"]

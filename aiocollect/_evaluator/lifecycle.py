@@ -10,13 +10,11 @@ or when its task ends without :meth:`aclose`: a failed start, a bug of ours, the
 
 from __future__ import annotations
 
-import enum
-
-from .._core.phases import checked_table
+from .._core.phases import PhaseEnum, checked_table
 from .config import EvaluatorState
 
 
-class EvalPhase(enum.Enum):
+class EvalPhase(PhaseEnum):
     """Where an evaluator's run is in its life; :attr:`public` is what ``evaluator.state``
     reports for it."""
 
@@ -26,10 +24,6 @@ class EvalPhase(enum.Enum):
     RUNNING = EvaluatorState.RUNNING, "the worker started: evaluations run (a dead worker is replaced on demand)"
     CLOSING = EvaluatorState.CLOSED, "aclose() was called: the task abandons what is pending and stops the worker"
     CLOSED = EvaluatorState.CLOSED, "the task has ended (or never started): no worker is left"
-
-    def __init__(self, public_state: EvaluatorState, meaning: str) -> None:
-        self.public = public_state
-        self.meaning = meaning
 
     @property
     def closing(self) -> bool:

@@ -191,7 +191,7 @@ def replacement_config(run: SupervisedRun, w: SupervisedWorker) -> RolloutConfig
     return dataclasses.replace(
         cfg,
         traj_counters=tuple(counters),
-        random_steps=max(cfg.random_steps - w.completed * c.geometry.frames_per_copy, 0),
+        random_frames=max(cfg.random_frames - w.completed * c.geometry.frames_per_copy, 0),
         restart=w.restarts + 1,
         env_calls=run.env_calls.kept_for(w.index),
     )

@@ -55,7 +55,7 @@ class RolloutConfig:
     seed: int | None = None
     static_seed: bool = False
     max_frames_per_traj: int | None = None
-    random_steps: int = 0  # frames of each env copy with random actions (a copy of n sub-envs: ceil(./n) steps)
+    random_frames: int = 0  # frames of each env copy with random actions (a copy of n sub-envs: ceil(./n) steps)
     reset_at_each_iter: bool = False
     traj_counters: tuple[int, ...] | None = None  # per global env: next trajectory number
     profile: tuple[dict, str] | None = None  # (ProfileConfig.for_worker(), trace path) or None
@@ -107,7 +107,7 @@ class Rollout:
         env_ids = np.arange(cfg.worker * E, (cfg.worker + 1) * E, dtype=np.int64)
         counters = cfg.traj_counters
         self._start_rows(env_ids, cfg.total_envs, [counters[g] for g in env_ids] if counters else [0] * E)
-        self.random_calls = cfg.random_steps
+        self.random_calls = cfg.random_frames
         seeds = row_seeds(cfg.seed, cfg.static_seed, cfg.restart, self.env_ids)
         self.action_spaces = seeded_spaces([env.action_space for env in self.envs], seeds)
         self.guard = action_guard(

@@ -15,7 +15,7 @@ it in its spec (``"num_envs"``, read back by :func:`reported_sub_envs`), and the
 the batch layout and the counters are derived (:func:`reported_sub_envs`, then
 :meth:`Geometry.with_sub_envs <aiocollect._core.geometry.Geometry.with_sub_envs>`). A
 :class:`~aiocollect._worker.rollout.RolloutConfig` counts env *copies* (``total_envs``;
-``random_steps`` in frames of each copy) and sub-envs only in ``traj_counters``.
+``random_frames`` in frames of each copy) and sub-envs only in ``traj_counters``.
 
 **Autoreset.** A frame of the batch is always a real transition, as with single envs: at an
 episode end ``("next", obs)`` is the true final observation and ``obs`` at ``t + 1`` the reset
@@ -169,8 +169,8 @@ class VectorRollout(Rollout):
         n = self.n = self.vecs[0].n
         E = self.rows = cfg.envs_per_worker * n
         self.total_rows = cfg.total_envs * n  # (every worker's vector envs have n sub-envs)
-        # init_random_frames: ``cfg.random_steps`` frames of each copy are ceil(./n) steps of it
-        self.random_calls = -(-cfg.random_steps // n)
+        # init_random_frames: ``cfg.random_frames`` frames of each copy are ceil(./n) steps of it
+        self.random_calls = -(-cfg.random_frames // n)
         self.obs_space, self.act_space = self.vecs[0].obs_space, self.vecs[0].act_space
         self.mode = self.vecs[0].mode
         self.same = self.mode == _SAME
