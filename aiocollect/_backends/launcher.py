@@ -9,14 +9,14 @@ started it (it exits when that process closes its socket, including on a crash) 
 
 **Started early** (:func:`prefork`): as soon as a program asks for ``aiocollect.Collector`` or
 ``aiocollect.Evaluator`` (``from aiocollect import Collector``), before that import loads torch,
-the template is started and imports numpy, gymnasium, the worker's modules and torch in parallel
-with the program's own imports, so that the first collector finds it ready instead of paying those
-imports a second time after the program's (:data:`PREFORK_NEEDS`). Unused, it is a sleeping
-process that ends with the program (or with :func:`shutdown_launcher`).
-``AIOCOLLECT_NO_PREFORK=1`` in the environment turns this off (it is then started by the first
-collector, and imports torch only for a policy that needs it). A process that forks gets no share
-of it: the child closes its inherited socket at once (``os.register_at_fork``) and starts its own
-when it needs one.
+the template is started and imports numpy, gymnasium and the worker's modules in parallel with
+the program's own imports, so that the first collector finds it ready instead of paying those
+imports a second time after the program's (torch waits for a policy that needs it:
+:data:`PREFORK_NEEDS`). Unused, it is a sleeping process that ends with the program (or with
+:func:`shutdown_launcher`). ``AIOCOLLECT_NO_PREFORK=1`` in the environment turns this off (it is
+then started by the first collector, as before). A process that forks gets no share of it: the
+child closes its inherited socket at once (``os.register_at_fork``) and starts its own when it
+needs one.
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ from .._core.quick_import import import_module
 
 _PR_SET_PDEATHSIG = 1
 _PRELOAD = ("numpy", "gymnasium", "cloudpickle", "aiocollect._worker.rollout", "aiocollect._worker.main")
-#: what an early start (prefork) imports beyond _PRELOAD: torch, which a policy run in the workers
-#: needs (the default, worker inference), while the program does its own imports. Imported then,
-#: not when the collector says its policy needs it: a first batch 2.2 s sooner on a 2-core machine
-#: (a 4-64-2 MLP, 2 workers); a start without torch in the workers (random actions, server
-#: inference) waited 0.4 s more there, and each worker holds about 2 MB more of its own memory
-PREFORK_NEEDS: tuple[str, ...] = ("torch",)
+#: what an early start (prefork) imports beyond _PRELOAD: nothing, and torch in particular not:
+#: the workers of server inference and of random actions never load torch (they stay light), so
+#: the template imports it only once a collector's policy needs it
+PREFORK_NEEDS: tuple[str, ...] = ()
 #: environment variable: set to anything but "" or "0", no template is started before a collector needs one
 NO_PREFORK = "AIOCOLLECT_NO_PREFORK"
 _in_template = False  # True in the template process and in its workers (forks of it): they never prefork

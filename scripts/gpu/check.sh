@@ -229,14 +229,17 @@ EOF
 }
 
 summary() {
-  local line
+  local line counts
   echo
   echo "==== summary: aiocollect GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'), $SECONDS s)"
   [ -f "$LOG/env.txt" ] && grep -E '^(python [0-9]|torch [0-9]|CUDA device 0|CUDA: no CUDA device)|^  (tensordict|gymnasium|ale-py|pytest |numpy) ' "$LOG/env.txt"
   printf '%s\n' "${results[@]}"
   for f in pytest-devices.log pytest-in-place.log pytest-suite.log; do
     [ -f "$LOG/$f" ] || continue
-    echo "$f: $(pytest_tail "$LOG/$f")"
+    counts=$(pytest_tail "$LOG/$f")
+    # (cut by its time limit: no counts line, the last progress mark says how far it went)
+    [ -z "$counts" ] && counts="cut before its end, at $(grep -oE '\[ *[0-9]+%\]' "$LOG/$f" | tail -n 1 | tr -d '[] ') of the tests, $(grep -cE '^(FAILED|ERROR) ' "$LOG/$f") failed so far"
+    echo "$f: $counts"
     grep -E '^(FAILED|ERROR) ' "$LOG/$f" | head -n 20
     grep -E '^SKIPPED ' "$LOG/$f" | head -n 10
   done
@@ -246,11 +249,13 @@ summary() {
   fi
   if [ -f "$LOG/inference-busy.log" ]; then
     line=$(grep -n -m 1 '^the busy GPU trainer alone' "$LOG/inference-busy.log" | cut -d: -f1)
-    [ -n "$line" ] && { echo "beside a GPU trainer:"; tail -n "+$line" "$LOG/inference-busy.log"; }
+    [ -n "$line" ] && { echo "beside a GPU trainer:"; sed -n "${line}p" "$LOG/inference-busy.log";
+                        sed -n '/^Pong (84x84/,$p' "$LOG/inference-busy.log"; }
   fi
   if [ -f "$LOG/inference.log" ]; then
     line=$(grep -n -m 1 '^Pong (84x84' "$LOG/inference.log" | cut -d: -f1)
-    [ -n "$line" ] && { echo "benchmarks/inference.py --device cuda $BENCH_ARGS:"; tail -n "+$line" "$LOG/inference.log"; }
+    [ -n "$line" ] && { echo "benchmarks/inference.py --device cuda $BENCH_ARGS:"
+                        tail -n "+$line" "$LOG/inference.log" | grep -vE 'A\.L\.E|Powered by Stella| \.\.\.$|^$'; }
   fi
   for f in scale-8.log scale-32.log; do  # the table and the limit's drift line of each
     [ -f "$LOG/$f" ] || continue
