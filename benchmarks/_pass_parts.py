@@ -101,13 +101,16 @@ class PassParts:
         saved = []
         try:
             for owner, name, wrap in patches:
-                original = owner.__dict__[name]
-                saved.append((owner, name, original))
-                setattr(owner, name, wrap(original))
+                own = name in owner.__dict__  # (else inherited: the wrapper is removed afterwards)
+                saved.append((owner, name, owner.__dict__.get(name), own))
+                setattr(owner, name, wrap(getattr(owner, name)))
             yield self
         finally:
-            for owner, name, original in reversed(saved):
-                setattr(owner, name, original)
+            for owner, name, original, own in reversed(saved):
+                if own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
 
     def table(self) -> list[str]:
         """The lines to print: ms per pass of each part, its share of the instrumented pass."""
