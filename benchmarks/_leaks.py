@@ -112,12 +112,7 @@ def launcher_pid() -> int | None:
     return get_launcher().pid
 
 
-def launcher_children() -> list[int]:
-    """Live children of aiocollect's launcher: the worker processes running now, of every
-    collector of this process (empty if the launcher does not run)."""
-    pid = launcher_pid()
-    if pid is None:
-        return []
+def _children(pid: int) -> list[int]:
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -127,6 +122,23 @@ def launcher_children() -> list[int]:
         text = _read(f"/proc/{pid}/task/{tid}/children") or ""
         children += [int(c) for c in text.split()]
     return [c for c in children if alive(c)]
+
+
+def launcher_children() -> list[int]:
+    """Live workers forked by aiocollect's launcher: the worker processes running now, of every
+    collector of this process, from the light template and from its torch template (its child
+    that leads a process group of its own, not counted itself); empty if the launcher does not run."""
+    pid = launcher_pid()
+    if pid is None:
+        return []
+    out = []
+    for child in _children(pid):
+        try:
+            is_torch_template = os.getpgid(child) == child
+        except OSError:  # (it ended meanwhile)
+            continue
+        out += _children(child) if is_torch_template else [child]
+    return out
 
 
 @dataclass(frozen=True)

@@ -61,3 +61,39 @@ def local_ray() -> Iterator[None]:
     finally:
         if started:
             ray.shutdown()
+
+
+def children(pid: int) -> list[int]:
+    """The live children of ``pid``."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [p for p in map(int, f.read().split()) if alive(p)]
+    except OSError:
+        return []
+
+
+def torch_template(launcher: int | None) -> int | None:
+    """The torch template of the launcher (the light template) ``launcher``: its child that leads a
+    process group of its own; ``None`` if it has none."""
+    for pid in children(launcher) if launcher is not None else ():
+        try:
+            if os.getpgid(pid) == pid:
+                return pid
+        except OSError:  # (it ended meanwhile)
+            pass
+    return None
+
+
+def template_workers(launcher: int | None) -> list[int]:
+    """The live worker processes forked from the launcher's templates (the light one and its torch
+    template), the torch template itself left out."""
+    if launcher is None:
+        return []
+    torch = torch_template(launcher)
+    return [p for p in children(launcher) if p != torch] + (children(torch) if torch is not None else [])
+
+
+def forked_workers(pid: int) -> list[int]:
+    """The live workers forked by the templates that process ``pid`` started (its children, the
+    launchers), through their torch templates."""
+    return [w for launcher in children(pid) for w in template_workers(launcher)]

@@ -43,8 +43,15 @@ def _cmdline(pid: int) -> str:
     except OSError:
         return "?"
 
+def _workers(launcher: int) -> list[int]:  # (forked from the launcher or from its torch template)
+    out = []
+    for child in _children.get(launcher, []):
+        is_torch_template = os.getpgid(child) == child  # (its child that leads a process group of its own)
+        out += _children.get(child, []) if is_torch_template else [child]
+    return out
+
 _children = _live_children()
-print("CHILDREN", json.dumps([[pid, _cmdline(pid), _children.get(pid, [])] for pid in _children.get(os.getpid(), [])]))
+print("CHILDREN", json.dumps([[pid, _cmdline(pid), _workers(pid)] for pid in _children.get(os.getpid(), [])]))
 '''
 
 

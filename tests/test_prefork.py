@@ -183,3 +183,146 @@ def test_tensordict_without_dynamo_then_dynamo_sees_the_same_marks():
     assert quick[0] is False and plain[0] is True
     assert quick[1:] == plain[1:] and quick[1] and quick[3] == [2.0, 2.0, 2.0]
 
+
+
+TWO_TEMPLATES_SCRIPT = """
+    import json, os, sys, time
+    import anyio, torch
+    from aiocollect import Collector, shutdown_launcher
+    from aiocollect._backends.launcher import get_launcher
+
+    sys.path.insert(0, TESTS)
+    from procs import alive, torch_template
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def forward(self, observation):
+            return self.net(observation).argmax(-1)
+
+    def mapped(pid):  # torch's library in the process (the check test_server's never-torch test makes)
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    light = get_launcher().pid
+    deadline = time.monotonic() + 120  # (prefork: the torch template imports torch meanwhile)
+    while not (torch_template(light) and mapped(torch_template(light))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    template = torch_template(light)
+    before = [template, template is not None and mapped(template), mapped(light)]
+
+    async def main():
+        out = {}
+        for name, policy in (("random", None), ("torch", Greedy())):
+            async with Collector("CartPole-v1", policy, frames_per_batch=16, num_workers=2, envs_per_worker=2) as c:
+                await anext(aiter(c))
+                out[name] = [[parent(pid), mapped(pid)] for pid in c.worker_pids]
+        return out
+
+    workers = anyio.run(main, backend=BACKEND, backend_options=OPTIONS)
+    shutdown_launcher()
+    print(json.dumps([light, before, workers, alive(light) or (template is not None and alive(template)),
+                      mapped(light) if alive(light) else False]))
+"""
+
+
+def _script_on(loop: str, script: str) -> str:
+    backend, options = ("trio", {}) if loop == "trio" else ("asyncio", {"use_uvloop": loop == "uvloop"})
+    return (script.replace("TESTS", repr(str(REPO / "tests"))).replace("BACKEND", repr(backend))
+            .replace("OPTIONS", repr(options)))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+@pytest.mark.timeout(240)
+def test_torch_workers_fork_from_a_torch_template_and_the_others_never_see_torch(loop):
+    """After prefork, a child of the launcher (the light template, which never maps torch) imports
+    torch before any collector asks: a torch policy's workers are forked from it (torch mapped in
+    their parent at the fork), a random policy's from the light template, without torch; after
+    ``shutdown_launcher()`` neither template is alive."""
+    light, (template, template_has_torch, light_had_torch), workers, left, _ = run_child(
+        _script_on(loop, TWO_TEMPLATES_SCRIPT), timeout=230)
+    assert template is not None and template_has_torch and not light_had_torch
+    assert workers["random"] and all(ppid == light and not torch for ppid, torch in workers["random"])
+    assert workers["torch"] and all(ppid == template and torch for ppid, torch in workers["torch"])
+    assert not left
+
+
+NO_PREFORK_SCRIPT = """
+    import json, os, signal, sys, time
+    import anyio, torch
+    from aiocollect import Collector, shutdown_launcher
+    from aiocollect._backends.launcher import get_launcher
+
+    sys.path.insert(0, TESTS)
+    from procs import alive, torch_template
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def forward(self, observation):
+            return self.net(observation).argmax(-1)
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    async def parents():
+        async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=1, envs_per_worker=2) as c:
+            await anext(aiter(c))
+            return [parent(pid) for pid in c.worker_pids]
+
+    out = [get_launcher().pid]
+    first = anyio.run(parents, backend=BACKEND, backend_options=OPTIONS)
+    light = get_launcher().pid
+    template = torch_template(light)
+    os.kill(template, signal.SIGKILL)
+    while alive(template):
+        time.sleep(0.01)
+    second = anyio.run(parents, backend=BACKEND, backend_options=OPTIONS)
+    again = torch_template(light)
+    shutdown_launcher()
+    print(json.dumps(out + [light, template, first, again, second, alive(light) or alive(again)]))
+"""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+@pytest.mark.timeout(240)
+def test_without_prefork_the_torch_template_starts_on_demand_and_again_once_killed(loop):
+    """With ``AIOCOLLECT_NO_PREFORK=1`` the first torch policy starts the light template and its
+    torch template, which its workers are forked from; once the torch template is killed, the next
+    torch policy's workers come from a new one (never left unserved); the shutdown leaves neither."""
+    before, light, template, first, again, second, left = run_child(
+        _script_on(loop, NO_PREFORK_SCRIPT), env={"AIOCOLLECT_NO_PREFORK": "1"}, timeout=230)
+    assert before is None and template is not None and first == [template]
+    assert again not in (None, template) and second == [again]
+    assert not left
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_import_in_the_torch_template_reaches_the_workers_socket():
+    """A request whose needs the torch template cannot import is answered on the worker's socket
+    with the error (the collector's error then names the cause), and the template serves on."""
+    import socket
+
+    from aiocollect._backends.launcher import get_launcher
+    from aiocollect._core import wire
+
+    for _ in range(2):  # (the second: the template survived the first)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours:
+            try:
+                get_launcher().spawn(theirs.fileno(), ("tensordict.no_such_module",))
+            finally:
+                theirs.close()
+            ours.settimeout(100)
+            got = wire.recv_blocking(ours)
+        assert got is not None and isinstance(got[0], wire.Error), got
+        assert "tensordict.no_such_module" in got[0].traceback

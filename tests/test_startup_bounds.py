@@ -24,7 +24,7 @@ import pytest
 from aiocollect import Collector, ConfigError, Evaluator
 from aiocollect._backends.launcher import get_launcher
 from aiocollect.testing import CountingEnv
-from procs import alive, ctrl_c
+from procs import alive, ctrl_c, template_workers
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 RETURNS_WITHIN = 45.0  # seconds: shutdown_timeout (1 s) and a second or two, with room for a loaded machine
@@ -35,13 +35,8 @@ LONG_SHUTDOWN = 30.0
 
 
 def launcher_children() -> list[int]:
-    """Live processes forked by the launcher (this test's workers: tests run one at a time)."""
-    pid = get_launcher().pid
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [p for p in map(int, f.read().split()) if alive(p)]
-    except OSError:
-        return []
+    """Live processes forked by the launcher's templates (this test's workers: tests run one at a time)."""
+    return template_workers(get_launcher().pid)
 
 
 def marking_factory(marks: str):

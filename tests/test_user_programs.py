@@ -23,7 +23,7 @@ import torch
 
 from aiocollect import AiocollectError, Collector, CollectorClosedError, ConfigError, State
 from aiocollect._collector.weightsync import WeightSync
-from procs import alive, ctrl_c
+from procs import alive, ctrl_c, template_workers
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -259,14 +259,10 @@ async def test_break_out_of_async_for_over_an_unnamed_collector_stops_it():
 
 
 def _children() -> list[int]:
+    """The live workers forked by the launcher's templates."""
     from aiocollect._backends.launcher import get_launcher
 
-    pid = get_launcher().pid
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
+    return template_workers(get_launcher().pid)
 
 
 def test_a_collector_belongs_to_the_event_loop_that_started_it():

@@ -60,7 +60,8 @@ def _simple_tensordict_module(obj: Any) -> bool:
     """A ``TensorDictModule`` that only maps in_keys to out_keys with its inner module: run the
     inner module directly, so that the worker needs no tensordict import."""
     td_nn = sys.modules.get("tensordict.nn")
-    if td_nn is None or type(obj) is not td_nn.TensorDictModule:
+    # (a module another thread is still importing has no TensorDictModule yet, and no object is one)
+    if td_nn is None or type(obj) is not getattr(td_nn, "TensorDictModule", None):
         return False
     return (
         getattr(obj, "method", None) is None

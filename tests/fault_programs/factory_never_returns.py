@@ -16,6 +16,9 @@ import time
 
 from aiocollect import Collector, Evaluator
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (tests/: its helpers)
+from procs import alive, forked_workers  # noqa: E402
+
 MARKS = tempfile.mkdtemp(prefix="factory-never-returns-")
 
 
@@ -25,28 +28,6 @@ def licensed_env():
         f.write(str(os.getpid()))
     while True:
         time.sleep(3600)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and alive(int(entry)):
-            found.append(int(entry))
-    return found
 
 
 def factory_pids() -> list[int]:
@@ -98,8 +79,7 @@ async def main() -> None:
         left = [p for p in factory_pids() if p != me and alive(p)]
         if left:
             sys.exit(f"{what}: processes stuck in the factory still run after the entry gave up: {left}")
-        launchers = children(me)  # the template process workers are forked from (kept for reuse)
-        workers = [w for p in launchers for w in children(p)]
+        workers = forked_workers(me)  # (by the templates workers are forked from, kept for reuse)
         if workers:
             sys.exit(f"{what}: worker processes still run after the entry gave up: {workers}")
         print(f"{what}: the entry gave up and left no process", flush=True)

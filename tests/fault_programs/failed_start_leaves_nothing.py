@@ -11,36 +11,17 @@ import sys
 
 from aiocollect import Collector, ConfigError, Evaluator
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (tests/: its helpers)
+from procs import forked_workers  # noqa: E402
+
 
 def broken_factory():
     return None  # a factory that forgot its `return gym.make(...)`
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
 def workers_alive() -> list[int]:
     """Processes forked by the template process (the launcher, this process's child)."""
-    return [w for launcher in children(os.getpid()) for w in children(launcher)]
+    return forked_workers(os.getpid())
 
 
 async def enter_and_give_up_at_once(make) -> None:
