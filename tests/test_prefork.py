@@ -185,8 +185,9 @@ def test_tensordict_without_dynamo_then_dynamo_sees_the_same_marks():
 
 
 
-TWO_TEMPLATES_SCRIPT = """
-    import json, os, sys, time
+# what both scripts below begin with: imports, a torch policy, a process's parent
+TEMPLATES_PREAMBLE = """
+    import json, os, signal, sys, time
     import anyio, torch
     from aiocollect import Collector, shutdown_launcher
     from aiocollect._backends.launcher import get_launcher
@@ -202,13 +203,15 @@ TWO_TEMPLATES_SCRIPT = """
         def forward(self, observation):
             return self.net(observation).argmax(-1)
 
-    def mapped(pid):  # torch's library in the process (the check test_server's never-torch test makes)
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtorch" in f.read()
-
     def parent(pid):
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
+"""
+
+TWO_TEMPLATES_SCRIPT = TEMPLATES_PREAMBLE + """
+    def mapped(pid):  # torch's library in the process (the check test_server's never-torch test makes)
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
 
     light = get_launcher().pid
     deadline = time.monotonic() + 120  # (prefork: the torch template imports torch meanwhile)
@@ -253,27 +256,7 @@ def test_torch_workers_fork_from_a_torch_template_and_the_others_never_see_torch
     assert not left
 
 
-NO_PREFORK_SCRIPT = """
-    import json, os, signal, sys, time
-    import anyio, torch
-    from aiocollect import Collector, shutdown_launcher
-    from aiocollect._backends.launcher import get_launcher
-
-    sys.path.insert(0, TESTS)
-    from procs import alive, torch_template
-
-    class Greedy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def forward(self, observation):
-            return self.net(observation).argmax(-1)
-
-    def parent(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-
+NO_PREFORK_SCRIPT = TEMPLATES_PREAMBLE + """
     async def parents():
         async with Collector("CartPole-v1", Greedy(), frames_per_batch=16, num_workers=1, envs_per_worker=2) as c:
             await anext(aiter(c))
