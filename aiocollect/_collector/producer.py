@@ -15,6 +15,7 @@ import time
 import traceback
 from collections import deque
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
@@ -62,7 +63,7 @@ def out_nbytes(layout: SlotLayout, rows: int) -> int:
     """Bytes of a copied batch of ``rows`` env rows (its leaves 64-byte aligned in one chunk)."""
     pos = 0
     for leaf in layout.leaves:
-        pos = _aligned(pos + rows * layout.frames_per_row * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64)))
+        pos = _aligned(pos + rows * layout.frames_per_row * leaf.np_dtype.itemsize * math.prod(leaf.shape))
     return max(pos, 1)
 
 
@@ -404,7 +405,7 @@ def _build(layout: SlotLayout, views: list[dict[Key, np.ndarray]], chunk: Any, E
         if chunk is None:
             flat[leaf.key] = torch.from_numpy(arrays[0])
             continue
-        nbytes = E * T * leaf.np_dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
+        nbytes = E * T * leaf.np_dtype.itemsize * math.prod(leaf.shape)
         out = chunk[pos : pos + nbytes].view(leaf.np_dtype).reshape((E, T) + leaf.shape)
         pos = _aligned(pos + nbytes)
         # numpy copies in this one thread (releasing the GIL); torch's would wake its
