@@ -181,3 +181,17 @@ def test_throughput_benchmark_measures_each_prefetch_side_by_side():
     for delivery in ("sync", "async"):
         for prefetch in (0, 1):
             assert re.search(rf"^aiocollect {delivery} prefetch={prefetch}\s+[\d,]+\s+[\d.]+", out, re.M), out
+
+
+@pytest.mark.timeout(240)
+def test_step_cost_benchmark_times_the_rollout_against_the_limit(tmp_path):
+    """benchmarks/step_cost.py at a tiny scale: a row per setup (CartPole and the no-op env, at
+    each count of envs) with both loops' µs per step and their ratio, and the same in its JSON,
+    in the form compare_trees.py reads (a name and a ratio per result)."""
+    path = tmp_path / "step_cost.json"
+    out = run_script("step_cost.py", "--envs", "1,3", "--steps", "8", "--turns", "2", "--json", str(path), timeout=220)
+    for name in ("CartPole, 1 envs", "CartPole, 3 envs", "no-op env and policy, 1 envs", "no-op env and policy, 3 envs"):
+        assert re.search(rf"^{name}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+-?[\d.]+ µs", out, re.M), out
+    results = json.loads(path.read_text())["results"]
+    assert [r["envs"] for r in results] == [1, 3, 1, 3]
+    assert all(r["ratio"] > 0 and r["limit_us_per_step"] > 0 and r["rollout_us_per_step"] > 0 for r in results)
