@@ -42,7 +42,7 @@ from .._core.errors import ConfigError
 from .._core.eval_wire import EvalWorkerConfig
 from .._core.limits import check_seed
 from .._core.video import require_writer
-from .._worker.policy import PolicySpec, classify, is_recurrent
+from .._worker.policy import PolicySpec, classify, is_recurrent, loaded_class
 from .._core.registry import snapshot as snapshot_registry
 from .._core.public import public
 
@@ -336,11 +336,10 @@ def weights_state(weights: Any) -> tuple[str, Mapping[str, Any]]:
     for what is not weights."""
     from .._worker.weights import named
 
-    torch = sys.modules.get("torch")
-    td = sys.modules.get("tensordict")
-    if torch is not None and isinstance(weights, torch.nn.Module):
+    module, td_base = loaded_class("torch.nn", "Module"), loaded_class("tensordict", "TensorDictBase")
+    if module is not None and isinstance(weights, module):
         kind, state = "state_dict", weights.state_dict()
-    elif td is not None and isinstance(weights, td.TensorDictBase):
+    elif td_base is not None and isinstance(weights, td_base):
         kind, state = "params", dict(weights.flatten_keys(".").items())
     elif isinstance(weights, Mapping):
         kind, state = "state_dict", weights
@@ -426,8 +425,8 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
             f"({type(exc).__name__}: {exc}); pass a gymnasium id or a function that builds the env"
         ) from exc
     needs = PolicySpec(kind).needs
-    td_nn = sys.modules.get("tensordict.nn")
-    if td_nn is not None and isinstance(c.policy, td_nn.TensorDictModuleBase):
+    td_base = loaded_class("tensordict.nn", "TensorDictModuleBase")
+    if td_base is not None and isinstance(c.policy, td_base):
         needs = ("torch", "tensordict")
     return worker_config, needs
 
