@@ -20,11 +20,10 @@ from typing import Any, Callable, Iterator, Sequence
 import gymnasium as gym
 import numpy as np
 
-from .._core.datachecks import ActionBounds, check_reward, check_value, first_nonfinite, short
+from .._core.datachecks import ActionBounds, check_reward, check_value
 from .decorrelate import decorrelate, decorrelation_draws
 from .env_calls import EnvEpochs
 from .envs import add_envs, close_envs
-from .._core.errors import SpecError
 from .._core.heartbeat import POLICY, RESET, STEP
 from .._core.layout import Key, Leaf, action_leaves, flattener, is_bare, leaf_spaces, observation_leaves
 from .policy import PolicySpec
@@ -32,6 +31,7 @@ from .policy_setup import action_guard, build_policy
 from .recurrent import random_step_extras
 from .seeding import row_seeds, seeded_spaces
 from .staging import Staging
+from .step_values import StepValues
 from .trajectories import Trajectories
 from .._core.wire import BatchInfo, Episodes
 
@@ -148,6 +148,7 @@ class Rollout:
         self.trajs = Trajectories(env_ids, total_rows, traj_k)
         self.cur_obs = [np.zeros((E,) + leaf.shape, leaf.np_dtype) for leaf in self.obs_leaves]
         self.env_epochs = EnvEpochs(E)  # each row's env epoch: the last env call applied to it
+        self.values = StepValues(self.obs_leaves, self.obs_spaces, env_ids, self._step_text)  # (after _layout)
 
     def _build_policy(self, local_policy: Any, total_envs: int) -> None:
         """The policy's runner for the rows (one per seeded action space; its torch seed comes
@@ -211,36 +212,13 @@ class Rollout:
                 buf[i] = check_value(value, leaf, what, space)
         for k in self.finite_obs:
             if not np.isfinite(bufs[k][i]).all():
-                self._nonfinite_obs(k, i, bufs[k][i], "returned by reset")
-
-    def _nonfinite_obs(self, k: int, i: int, value: np.ndarray, when: str) -> None:
-        leaf = self.obs_leaves[k]
-        raise SpecError(
-            f"env {self.env_ids[i]}'s observation for key {'.'.join(leaf.key)!r} {when} is "
-            f"{short(value)}: not finite (check_finite=True; a float64 value beyond the range of "
-            f"{leaf.dtype} is stored as inf too)"
-        )
+                self.values.nonfinite_obs(k, i, bufs[k][i], "returned by reset")
 
     def _step_text(self, i: int, taken: bool = False) -> str:
         """Names row ``i``'s current step in messages: its number since the collector started and
         in its episode, counted from 1 (during a step the episode's count of it is the same whether
         it is ``taken`` or not)."""
         return f"step {self.steps + 1} (step {self.steps + 1 - int(self.trajs.ep_start[i])} of its episode)"
-
-    def _check_finite(self, next_obs: list[np.ndarray], rewards: np.ndarray) -> None:
-        """check_finite: the observations (single envs; a vector env's are checked as they are
-        written) and the rewards of this step."""
-        if self.serial:
-            for k in self.finite_obs:
-                row = first_nonfinite(next_obs[k])
-                if row is not None:
-                    self._nonfinite_obs(k, row, next_obs[k][row], f"returned by {self._step_text(row, taken=True)}")
-        if not np.isfinite(rewards).all():
-            row = int(np.flatnonzero(~np.isfinite(rewards))[0])
-            raise SpecError(
-                f"env {int(self.env_ids[row])}'s reward returned by {self._step_text(row, taken=True)} is "
-                f"{float(rewards[row])!r}: not finite (check_finite=True)"
-            )
 
     def _action_step(self, row: int) -> str:
         return f"at {self._step_text(row)}"
@@ -305,8 +283,8 @@ class Rollout:
                 extras = self._random_extras(is_init)
             env_actions = record(act_t, extra_t, env_actions, act_arrays, extras, random)
             finals = step_envs(env_actions, obs_t, nxt, rew_t, term_t, trunc_t)
-            if check_finite:
-                self._check_finite(nxt, rew_t)
+            if check_finite:  # (a vector env's observations are checked as they are written)
+                self.values.check_finite(nxt if self.serial else [], rew_t, self.finite_obs)
             end_step(t, ends, finals, nxt, cur, term_t, trunc_t, done_t)
             if is_init is not None:  # (the rows that ended start an episode at the next step)
                 np.logical_or(is_init, done_t, out=is_init)
@@ -341,7 +319,7 @@ class Rollout:
         about a seventh of a step: each call and each numpy call of it counts."""
         runner, envs, T = self.runner, self.envs, len(frames)
         act, remote, ahead = runner.act, runner.remote, self.cfg.ahead
-        write, after_ends, clock = self._write_results, self._after_ends, time.perf_counter
+        write, after_ends, clock = self.values.write, self._after_ends, time.perf_counter
         ep_start, one_action = self.trajs.ep_start, len(self.act_leaves) == 1
         policy_time = 0.0
         t_start = clock()
@@ -374,40 +352,6 @@ class Rollout:
                 runner.ahead(cur)  # (worker_groups: computed while the other group steps)
             yield
         self.timing = {"env": clock() - t_start - policy_time, "policy": policy_time}
-
-    def _write_results(
-        self, results: list[tuple], next0: np.ndarray, rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray,
-    ) -> tuple[tuple, tuple]:
-        """Single envs of one observation leaf: one step's ``results`` (what each env's ``step``
-        returned) into ``next0``, ``rew_t``, ``term_t`` and ``trunc_t``, with one numpy call each
-        where they are of the batch's own types (a numpy write per env and value costs more than
-        the Python list it is written from), else env by env, each checked. Returns the flags, as
-        the envs returned them."""
-        obs_l, rew_l, term_l, trunc_l, _ = zip(*results)
-        dtype0, shape0 = self.obs_dtype0, self.obs_leaves[0].shape
-        if all(obs.__class__ is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0 for obs in obs_l):
-            next0[...] = obs_l
-        else:
-            ids, leaf0, space0 = self.env_ids, self.obs_leaves[0], self.obs_spaces[0]
-            for i, obs in enumerate(obs_l):
-                if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
-                    obs = check_value(obs, leaf0, f"env {ids[i]}'s observation", space0)
-                next0[i] = obs
-        if all(reward.__class__ is float for reward in rew_l):  # (what most envs return)
-            rew_t[:] = rew_l
-        else:
-            for i, reward in enumerate(rew_l):
-                if not isinstance(reward, (float, int)):
-                    reward = check_reward(reward, f"env {self.env_ids[i]}'s reward at {self._step_text(i)}")
-                rew_t[i] = reward
-        try:  # (numpy reads bools, numpy bools and ints alike)
-            term_t[:] = term_l
-            trunc_t[:] = trunc_l
-        except (TypeError, ValueError):  # (a flag numpy does not take as one value: one at a time)
-            for i, (terminated, truncated) in enumerate(zip(term_l, trunc_l)):
-                term_t[i] = terminated
-                trunc_t[i] = truncated
-        return term_l, trunc_l
 
     def _begin_batch(self, views: dict[Key, np.ndarray]) -> tuple[Staging, list[tuple]]:
         """Before a batch's first step: ``reset_at_each_iter``'s resets, the batch's staging and
@@ -511,8 +455,7 @@ class Rollout:
         shape0 = leaf0.shape
         next0 = nxt[0]
         if single and hb is None:  # (no heartbeat to write between the envs' steps: they all step, then their values)
-            self._write_results([env.step(action) for env, action in zip(self.envs, actions)], next0, rew_t, term_t,
-                                trunc_t)
+            self.values.write([env.step(action) for env, action in zip(self.envs, actions)], next0, rew_t, term_t, trunc_t)
             return []
         for i, env in enumerate(self.envs):
             if hb is not None:

@@ -247,7 +247,7 @@ class VectorRollout(Rollout):
             if k in self.finite_obs:
                 row = first_nonfinite(dst)
                 if row is not None:
-                    self._nonfinite_obs(k, c * n + row, dst[row], when)
+                    self.values.nonfinite_obs(k, c * n + row, dst[row], when)
 
     def _write_row(self, i: int, obs: Any, bufs: list[np.ndarray], when: str) -> None:
         """Write one sub-env's observation (unbatched: a final observation) into row ``i`` of
@@ -257,7 +257,7 @@ class VectorRollout(Rollout):
             value = check_value(value, leaf, f"env {int(self.env_ids[i])}'s observation {when}", space)
             buf[i] = value
             if k in self.finite_obs and not np.isfinite(buf[i]).all():
-                self._nonfinite_obs(k, i, buf[i], when)
+                self.values.nonfinite_obs(k, i, buf[i], when)
 
     # -- stepping -------------------------------------------------------------------------------------
     def _actions(self, arrays: list[np.ndarray], c: int) -> Any:
@@ -381,4 +381,4 @@ class VectorRollout(Rollout):
                 if k in self.finite_obs:
                     row = first_nonfinite(d[at])
                     if row is not None:
-                        self._nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
+                        self.values.nonfinite_obs(k, int(at[row]), d[at[row]], "returned by reset")
