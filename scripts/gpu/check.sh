@@ -17,12 +17,13 @@
 #      benchmarks/weight_sync.py --server-only (an update's latency and the server's extra memory)
 #   5. benchmarks/inference.py --device cuda, short (one round of 3 s per setup, 8 workers)
 #   6. the many-core scale step: benchmarks/throughput.py at SCALE_WORKERS (cores - 1, at most 15)
-#      workers x 8 and x 32 CartPole envs, and benchmarks/startup.py at 1, 4 and SCALE_WORKERS workers
+#      workers x 8 and x 32 CartPole envs, benchmarks/startup.py at 1, 4 and SCALE_WORKERS workers, and
+#      benchmarks/step_cost.py (a worker's step against the limit's loop, on one core)
 #   7. every other test file, on CHECK_JOBS processes (tests of optional extras the image lacks,
 #      such as Ray, EnvPool, TorchRL or the docs site, skip and say which package they need)
 # Logs go to $OUT when it is set, else to ${TMPDIR:-/tmp}/aiocollect-gpu-check: check.log (all),
 # summary.txt (what to keep), env.txt, pytest-devices.log, inference.log, inference.json,
-# scale-8.log, scale-32.log, startup.log, pytest-suite.log. Exit status 0 when every step passed on a CUDA device, else 1; without a CUDA
+# scale-8.log, scale-32.log, startup.log, step-cost.log, pytest-suite.log. Exit status 0 when every step passed on a CUDA device, else 1; without a CUDA
 # device it says "no CUDA device", runs what it can and exits 1 at the end.
 # Settings (environment): PYTHON (python3), CHECK_JOBS (15), CHECK_BUDGET_S (540: steps are cut to
 # end by then), BENCH_ARGS (the benchmark's options, default below), SKIP_BENCH=1, SCALE_WORKERS,
@@ -266,6 +267,10 @@ summary() {
     echo "benchmarks/startup.py:"
     grep -E '^(machine|import torch|from aiocollect|launch|first batch|second collector)' "$LOG/startup.log" | head -n 24
   fi
+  if [ -f "$LOG/step-cost.log" ]; then
+    echo "benchmarks/step_cost.py:"
+    sed -n '/^setup  /,/^ratio:/p' "$LOG/step-cost.log"
+  fi
   local failed
   failed=$(failures)
   if [ "$cuda" -eq 0 ]; then
@@ -355,6 +360,8 @@ env.close()'
       --frames-per-batch $((scale * 32 * 16))
     step "benchmarks/startup.py, 1, 4 and $scale workers" startup.log 120 \
       "$PY" benchmarks/startup.py --repeat 2 --workers "1,4,$scale"
+    step "benchmarks/step_cost.py (a worker's step against the limit's loop, one core)" step-cost.log 90 \
+      "$PY" benchmarks/step_cost.py --turns 8
   fi
 
   # Last, with the time left: every other test file. The CUDA ones among them (server inference,
