@@ -566,7 +566,7 @@ class ModuleRunner(TorchRunner):
         module, from_numpy, in0, in_idx = self.module, self._from_numpy, self.in0, self.in_idx
         grad_enabled, no_grad = self._grad_enabled, self._no_grad
         want_shape, want_dtype, num_envs = self.want_shape, self.want_dtype, self.num_envs
-        env_actions, convert, named, ndarray = self.env_actions, self._convert, self._named, np.ndarray
+        env_actions, convert, named, cpu_numpy = self.env_actions, self._convert, self._named, _cpu_numpy
         as_list = isinstance(env_actions, EnvActions) and env_actions.discrete and not env_actions.one_hot
         per_env = env_actions.per_env
 
@@ -577,11 +577,8 @@ class ModuleRunner(TorchRunner):
                     out = module(*inputs)
             else:  # worker processes disable autograd once
                 out = module(*inputs)
-            try:
-                arr = out.numpy()
-            except (AttributeError, TypeError, RuntimeError):  # not a tensor, not on the cpu, needs grad ...
-                return convert(named(out))
-            if arr.__class__ is not ndarray or arr.shape != want_shape or arr.dtype is not want_dtype:
+            arr = cpu_numpy(out)
+            if arr is None or arr.shape != want_shape or arr.dtype is not want_dtype:
                 return convert(named(out))
             return arr.tolist() if as_list else per_env([arr], num_envs), [arr], []
 

@@ -312,15 +312,15 @@ class Rollout:
         )
 
     def _plain_steps(self, frames: list[tuple], ends: list[tuple[int, np.ndarray]], versions: np.ndarray) -> Iterator[None]:
-        """The steps of :meth:`fill` where :meth:`_plain` holds: what :meth:`_record_actions`,
-        :meth:`_step_envs` and :meth:`_end_step` do for that case, in one loop of local names, with
+        """The steps of :meth:`fill` where :meth:`_plain` holds: what :meth:`_step_envs` and
+        :meth:`_end_step` do for that case, in one loop of local names, with
         no option looked at that the case does not have, and the flags' ``done`` left to the end of
         the batch (one numpy call for all steps). At 8 CartPole envs the rollout's own work is
         about a seventh of a step: each call and each numpy call of it counts."""
         runner, envs, T = self.runner, self.envs, len(frames)
         act, remote, ahead = runner.act, runner.remote, self.cfg.ahead
         write, after_ends, clock = self.values.write, self._after_ends, time.perf_counter
-        ep_start, one_action = self.trajs.ep_start, len(self.act_leaves) == 1
+        record, ep_start = self._record_actions, self.trajs.ep_start
         policy_time = 0.0
         t_start = clock()
         for t, (obs_t, act_t, extra_t, nxt, cur, rew_t, term_t, trunc_t, _) in enumerate(frames):
@@ -329,14 +329,7 @@ class Rollout:
             policy_time += clock() - t_policy
             if remote:  # (the version of the server's forward pass for this step)
                 versions[t] = runner.version
-            if one_action:
-                act_t[0][...] = act_arrays[0]
-            else:
-                for dst, arr in zip(act_t, act_arrays):
-                    dst[...] = arr
-            if extra_t:
-                for dst, arr in zip(extra_t, extras or [0] * len(extra_t)):
-                    dst[...] = arr
+            env_actions = record(act_t, extra_t, env_actions, act_arrays, extras, False)
             next0 = nxt[0]
             term_l, trunc_l = write([env.step(action) for env, action in zip(envs, env_actions)], next0, rew_t,
                                     term_t, trunc_t)
