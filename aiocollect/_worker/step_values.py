@@ -29,6 +29,7 @@ class StepValues:
         self.obs_leaves, self.env_ids, self.step_text = obs_leaves, env_ids, step_text
         self.leaf0, self.space0 = obs_leaves[0], obs_spaces[0]
         self.dtype0, self.shape0 = self.leaf0.np_dtype, self.leaf0.shape
+        self.rows_shape0 = (len(env_ids),) + tuple(self.shape0)  # (one step's observations, stacked)
 
     def write(
         self, results: list[tuple], next0: np.ndarray, rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray,
@@ -37,11 +38,19 @@ class StepValues:
         returned) into ``next0``, ``rew_t``, ``term_t`` and ``trunc_t``, with one numpy call each
         where they are of the batch's own types (a numpy write per env and value costs more than
         the Python list it is written from), else env by env, each checked. Returns the flags, as
-        the envs returned them."""
+        the envs returned them.
+
+        The observations are stacked by one ``np.array`` call and written as they are where the
+        stack has the leaf's own dtype and shape: then no value was cast, so none needs a check
+        (a look at each env's array costs more than the stacking)."""
         obs_l, rew_l, term_l, trunc_l, _ = zip(*results)
         dtype0, shape0 = self.dtype0, self.shape0
-        if all(obs.__class__ is np.ndarray and obs.dtype is dtype0 and obs.shape == shape0 for obs in obs_l):
-            next0[...] = obs_l
+        try:
+            stacked = np.array(obs_l)
+        except (TypeError, ValueError, OverflowError):  # (ragged, or not numbers: each checked below, with its message)
+            stacked = None
+        if stacked is not None and stacked.dtype is dtype0 and stacked.shape == self.rows_shape0:
+            next0[...] = stacked
         else:
             ids, leaf0, space0 = self.env_ids, self.leaf0, self.space0
             for i, obs in enumerate(obs_l):
