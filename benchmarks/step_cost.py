@@ -23,12 +23,17 @@ turns:
   process, the messages and the scheduler;
 * the rollout's cost over the limit, per step.
 
+With ``--idle-ms N`` the CartPole setups also take turns asleep for ``N`` ms before each (between
+their busy turns), as a worker of ``delivery="sync"`` waits before each batch: what waking costs
+shows in both loops' CPU time per step, a second row per setup (a core left idle runs other work
+that evicts its caches).
+
 With ``--json PATH`` the results are written there; ``benchmarks/compare_trees.py`` compares their
 ratios between two trees.
 
 Run (about half a minute)::
 
-    .venv/bin/python benchmarks/step_cost.py [--envs 8,32] [--steps 128] [--turns 15]
+    .venv/bin/python benchmarks/step_cost.py [--envs 8,32] [--steps 128] [--turns 15] [--idle-ms 3]
 """
 
 from __future__ import annotations
@@ -132,26 +137,41 @@ def rollout_loop(env_fn: Any, policy: torch.nn.Module, E: int, T: int) -> tuple[
     return run, close
 
 
+def _row(name: str, E: int, limit: list[float], rollout: list[float]) -> dict[str, Any]:
+    lim, roll = statistics.median(limit), statistics.median(rollout)
+    per_turn = [a / b for a, b in zip(limit, rollout)]
+    return {
+        "name": name, "envs": E, "limit_us_per_step": lim, "rollout_us_per_step": roll, "ratio": lim / roll,
+        "over_us_per_step": roll - lim, "turn_ratios": [min(per_turn), statistics.median(per_turn), max(per_turn)],
+    }
+
+
 def measure(name: str, make_env: Callable[[], gym.Env], env_fn: Any, policy: torch.nn.Module, E: int,
-            args: argparse.Namespace) -> dict[str, Any]:
+            args: argparse.Namespace, idle_s: float = 0.0) -> list[dict[str, Any]]:
+    """The setup's row; with ``idle_s``, a second row: the same loops, each turn followed by
+    ``idle_s`` asleep, in turns taken between the busy ones (so that a drift of the machine's
+    speed moves both rows alike)."""
     limit = limit_loop(make_env, policy, E)
     rollout, close = rollout_loop(env_fn, policy, E, args.steps)
-    times: dict[str, list[float]] = {"limit": [], "rollout": []}
+    sides = [("limit", limit, 0.0), ("rollout", rollout, 0.0)]
+    if idle_s:
+        sides += [("idle limit", limit, idle_s), ("idle rollout", rollout, idle_s)]
+    times: dict[str, list[float]] = {side: [] for side, _, _ in sides}
     try:
         for turn in range(args.turns + 1):
-            for side, run in (("limit", limit), ("rollout", rollout)):
+            for side, run, sleep_s in sides:
+                if sleep_s:  # (asleep before the turn: it starts as a worker's batch does after a wait)
+                    time.sleep(sleep_s)
                 t0 = time.thread_time()
                 run(args.steps)
                 if turn:  # (the first turn of each: the warm-up)
                     times[side].append(1e6 * (time.thread_time() - t0) / args.steps)
     finally:
         close()
-    lim, roll = statistics.median(times["limit"]), statistics.median(times["rollout"])
-    per_turn = [a / b for a, b in zip(times["limit"], times["rollout"])]
-    return {
-        "name": name, "envs": E, "limit_us_per_step": lim, "rollout_us_per_step": roll, "ratio": lim / roll,
-        "over_us_per_step": roll - lim, "turn_ratios": [min(per_turn), statistics.median(per_turn), max(per_turn)],
-    }
+    rows = [_row(name, E, times["limit"], times["rollout"])]
+    if idle_s:
+        rows.append(_row(f"{name}, idle {1000 * idle_s:g} ms a turn", E, times["idle limit"], times["idle rollout"]))
+    return rows
 
 
 def main() -> None:
@@ -159,11 +179,13 @@ def main() -> None:
     p.add_argument("--envs", default="8,32", help="envs per worker, comma-separated (default 8,32)")
     p.add_argument("--steps", type=int, default=128, help="steps per turn, and per batch of the rollout (default 128)")
     p.add_argument("--turns", type=int, default=15, help="measured turns of each loop (default 15)")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="also time the CartPole setups in turns that start after this long asleep (default 0: not)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
     counts = [int(n) for n in args.envs.split(",") if n.strip()]
-    if not counts or min(counts) < 1 or args.steps < 1 or args.turns < 1:
-        p.error("--envs takes counts of 1 or more; --steps and --turns must be 1 or more")
+    if not counts or min(counts) < 1 or args.steps < 1 or args.turns < 1 or args.idle_ms < 0:
+        p.error("--envs takes counts of 1 or more; --steps and --turns must be 1 or more; --idle-ms 0 or more")
     torch.set_num_threads(1)  # (as a worker runs its policy)
     torch.set_grad_enabled(False)
     m = machine()
@@ -172,14 +194,16 @@ def main() -> None:
     log(machine_line(m))
     torch.manual_seed(SEED)
     mlp = ArgmaxMLP()
-    setups = [(f"CartPole, {E} envs", lambda: gym.make(ENV_ID), ENV_ID, mlp, E) for E in counts]
-    setups += [(f"no-op env and policy, {E} envs", NoOpEnv, NoOpEnv, NoOpPolicy(), E) for E in counts]
+    idle_s = args.idle_ms / 1000
+    setups = [(f"CartPole, {E} envs", lambda: gym.make(ENV_ID), ENV_ID, mlp, E, idle_s) for E in counts]
+    setups += [(f"no-op env and policy, {E} envs", NoOpEnv, NoOpEnv, NoOpPolicy(), E, 0.0) for E in counts]
     results = []
-    for k, (name, make_env, env_fn, policy, E) in enumerate(setups, 1):
-        log(f"[{k}/{len(setups)}] {name} ...")
-        results.append(measure(name, make_env, env_fn, policy, E, args))
-        r = results[-1]
-        log(f"  -> limit {r['limit_us_per_step']:.1f} µs a step, rollout {r['rollout_us_per_step']:.1f}: {r['ratio']:.3f}")
+    for k, (name, make_env, env_fn, policy, E, idle) in enumerate(setups, 1):
+        log(f"[{k}/{len(setups)}] {name}{f' (and idle {args.idle_ms:g} ms a turn)' if idle else ''} ...")
+        for r in measure(name, make_env, env_fn, policy, E, args, idle):
+            results.append(r)
+            log(f"  -> {r['name']}: limit {r['limit_us_per_step']:.1f} µs a step, rollout {r['rollout_us_per_step']:.1f}: "
+                f"{r['ratio']:.3f}")
     log("")
     log(f"{'setup':34s} {'limit µs/step':>14s} {'rollout µs/step':>16s} {'ratio':>6s} {'over the limit':>15s}"
         f"  turn ratios min / median / max")
@@ -189,6 +213,13 @@ def main() -> None:
             f"{r['over_us_per_step']:12.1f} µs  {lo:.3f} / {med:.3f} / {hi:.3f}")
     log("ratio: limit over rollout, CPU time of this thread (the frames per CPU-second a worker gets relative to the "
         "limit, without the collector's process)")
+    by_name = {r["name"]: r for r in results}
+    for E in counts if args.idle_ms else ():
+        busy, idle = by_name[f"CartPole, {E} envs"], by_name[f"CartPole, {E} envs, idle {args.idle_ms:g} ms a turn"]
+        log(f"turns after {args.idle_ms:g} ms asleep, {E} envs: a step of the limit costs "
+            f"{idle['limit_us_per_step'] / busy['limit_us_per_step'] - 1:+.0%} CPU, of the rollout "
+            f"{idle['rollout_us_per_step'] / busy['rollout_us_per_step'] - 1:+.0%} (what waking costs on this machine, "
+            f"paid by any loop that waits)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": m, "args": vars(args), "results": results}, f, indent=2)

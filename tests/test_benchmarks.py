@@ -195,3 +195,15 @@ def test_step_cost_benchmark_times_the_rollout_against_the_limit(tmp_path):
     results = json.loads(path.read_text())["results"]
     assert [r["envs"] for r in results] == [1, 3, 1, 3]
     assert all(r["ratio"] > 0 and r["limit_us_per_step"] > 0 and r["rollout_us_per_step"] > 0 for r in results)
+
+
+@pytest.mark.timeout(240)
+def test_step_cost_benchmark_with_idle_turns_adds_their_rows_and_the_comparison():
+    """``--idle-ms``: each CartPole setup also gets a row of the turns that start after a sleep, and
+    a line comparing them with the busy turns, for both loops."""
+    out = run_script("step_cost.py", "--envs", "2", "--steps", "8", "--turns", "2", "--idle-ms", "1", timeout=220)
+    for name in ("CartPole, 2 envs", "CartPole, 2 envs, idle 1 ms a turn", "no-op env and policy, 2 envs"):
+        assert re.search(rf"^{re.escape(name)}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+-?[\d.]+ µs", out, re.M), out
+    assert re.search(r"^turns after 1 ms asleep, 2 envs: a step of the limit costs [+-]\d+% CPU, of the rollout "
+                     r"[+-]\d+%", out, re.M), out
+    assert "no-op env and policy, 2 envs, idle" not in out
