@@ -45,25 +45,39 @@ case "$cmd" in
     if [ $# -gt 0 ] || [ "${AIOCOLLECT_SKIP_TORCHRL:-0}" = 1 ]; then
       exec "$VENV/bin/python" -m pytest "$@"
     fi
+    # beside the main suite (its test processes mostly wait on worker processes: about one core of
+    # two is free), each into a log: mypy on the package (it ships py.typed), the TorchRL venv's
+    # dependencies, Ray's wheel (~80 MB; installed after the suite). Each in a process group of its
+    # own (setsid), stopped with whatever it started if this script stops first.
+    logs="$VENV/test-logs"
+    mkdir -p "$logs"
+    trap 'for job in $(jobs -p); do kill -- "-$job" 2>/dev/null || true; done' EXIT
+    setsid "$VENV/bin/python" -m mypy > "$logs/mypy.log" 2>&1 &
+    mypy_job=$!
+    setsid bash scripts/torchrl-compat.sh deps > "$logs/torchrl-deps.log" 2>&1 &
+    torchrl_deps=$!
     if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
-      # Ray's wheel (~80 MB) downloads while the main suite runs; installed after it
       mkdir -p "$VENV/ray-wheels"
-      "$VENV/bin/python" -m pip download -q --no-deps -c scripts/constraints.txt -d "$VENV/ray-wheels" ray \
-        > "$VENV/ray-download.log" 2>&1 &
+      setsid "$VENV/bin/python" -m pip download -q --no-deps -c scripts/constraints.txt -d "$VENV/ray-wheels" ray \
+        > "$logs/ray-download.log" 2>&1 &
       ray_download=$!
     fi
     # two test processes (CI has 2 cores; the tests mostly wait on worker processes); the Ray
     # backend's tests run in their own step below (one Ray instance for the module)
     "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}" --ignore=tests/test_ray.py
-    echo "[test] the main suite passed; now mypy on the package (it ships py.typed)"
-    "$VENV/bin/python" -m mypy
+    echo "[test] the main suite passed; mypy on the package (run beside it):"
+    wait "$mypy_job" || { cat "$logs/mypy.log" >&2; exit 1; }
+    cat "$logs/mypy.log"
     if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
       echo "[test] now the Ray backend (installs the ray extra into $VENV)"
-      wait "$ray_download" || { cat "$VENV/ray-download.log" >&2; exit 1; }
+      wait "$ray_download" || { cat "$logs/ray-download.log" >&2; exit 1; }
       "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt --find-links "$VENV/ray-wheels" -e ".[ray]"
       "$VENV/bin/python" -m pytest tests/test_ray.py
     fi
     echo "[test] now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
+    wait "$torchrl_deps" || { cat "$logs/torchrl-deps.log" >&2; exit 1; }
+    cat "$logs/torchrl-deps.log"
+    trap - EXIT
     exec bash scripts/torchrl-compat.sh ;;
   ray-test)
     "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[ray]"

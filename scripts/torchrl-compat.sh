@@ -7,6 +7,9 @@
 # the tests import that installed copy (python -P: the source tree is not on sys.path).
 #   bash scripts/torchrl-compat.sh            set up if needed, then run the tests
 #   bash scripts/torchrl-compat.sh setup      set up only
+#   bash scripts/torchrl-compat.sh deps       the venv and its dependencies only (builds nothing in
+#                                             the source tree: scripts/run.sh test runs it beside the
+#                                             main suite)
 #   bash scripts/torchrl-compat.sh bench [args]   benchmarks/throughput.py here, TorchRL's collector included
 #   bash scripts/torchrl-compat.sh [pytest args]   run these instead of the default modules
 set -euo pipefail
@@ -39,10 +42,19 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/torchrl-com
   echo "[setup] installing torch==$TORCH_VERSION first"
   quiet_pip install -q "torch==$TORCH_VERSION"
   echo "[setup] installing torchrl==$TORCHRL_VERSION, tensordict$TENSORDICT_RANGE and aiocollect's dependencies and test extras"
-  quiet_pip install -q -c "$constraints" "torchrl==$TORCHRL_VERSION" "tensordict$TENSORDICT_RANGE" ".[test]"
+  # aiocollect's own requirements and its test extra, read from pyproject.toml (not ".[test]", which
+  # would build the package in the source tree: the wheel below is built once the main suite is done)
+  mapfile -t requirements < <("$VENV/bin/python" -c '
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))')
+  quiet_pip install -q -c "$constraints" "torchrl==$TORCHRL_VERSION" "tensordict$TENSORDICT_RANGE" "${requirements[@]}"
   touch "$stamp"
   echo "[setup] done in $((SECONDS - start)) s:" \
     "$("$VENV/bin/python" -m pip freeze | grep -iE '^(torch|tensordict|torchrl)==' | tr '\n' ' ')"
+fi
+if [ "${1:-}" = deps ]; then
+  exit 0
 fi
 # this tree's code as a wheel, installed over whatever copy is there (every run: the code changes)
 wheels="$VENV/wheel"
