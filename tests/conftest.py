@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
 TRIO_MODULES = {
     "test_collector", "test_evaluator", "test_evaluator_restart", "test_events", "test_lifecycle",
     "test_lifecycle_states", "test_weights", "test_user_programs", "test_restart", "test_trajs", "test_leaks",
-    "test_queues", "test_consumers", "test_memory_ownership",
+    "test_queues", "test_consumers", "test_memory_ownership", "test_child_messages",
 }
 # AIOCOLLECT_TEST_TRIO=all: every module's async tests on trio as well (about 2x the suite's time)
 TRIO_EVERYWHERE = os.environ.get("AIOCOLLECT_TEST_TRIO") == "all"

@@ -101,7 +101,8 @@ class ChildProcess:
                         break
                     except BlockingIOError:
                         await anyio.wait_writable(self.sock)
-                self._out += data[sent:]
+                # (the rest first: what send_nowait or send_later queued meanwhile follows it)
+                self._out[:0] = data[sent:]
             else:
                 self._out += _wire.encode(msg)
             await self._flush()
