@@ -24,9 +24,8 @@ turns:
 * the rollout's cost over the limit, per step.
 
 With ``--idle-ms N`` the CartPole setups also take turns asleep for ``N`` ms before each (between
-their busy turns), as a worker of ``delivery="sync"`` waits before each batch: what waking costs
-shows in both loops' CPU time per step, a second row per setup (a core left idle runs other work
-that evicts its caches).
+their busy turns), as a worker of ``delivery="sync"`` waits before each batch: what waking costs,
+if anything, shows in both loops' CPU time per step, a second row per setup.
 
 With ``--json PATH`` the results are written there; ``benchmarks/compare_trees.py`` compares their
 ratios between two trees.
@@ -148,7 +147,7 @@ def _row(name: str, E: int, limit: list[float], rollout: list[float]) -> dict[st
 
 def measure(name: str, make_env: Callable[[], gym.Env], env_fn: Any, policy: torch.nn.Module, E: int,
             args: argparse.Namespace, idle_s: float = 0.0) -> list[dict[str, Any]]:
-    """The setup's row; with ``idle_s``, a second row: the same loops, each turn followed by
+    """The setup's row; with ``idle_s``, a second row: the same loops, each turn started after
     ``idle_s`` asleep, in turns taken between the busy ones (so that a drift of the machine's
     speed moves both rows alike)."""
     limit = limit_loop(make_env, policy, E)
@@ -197,10 +196,13 @@ def main() -> None:
     idle_s = args.idle_ms / 1000
     setups = [(f"CartPole, {E} envs", lambda: gym.make(ENV_ID), ENV_ID, mlp, E, idle_s) for E in counts]
     setups += [(f"no-op env and policy, {E} envs", NoOpEnv, NoOpEnv, NoOpPolicy(), E, 0.0) for E in counts]
-    results = []
+    results, idle_pairs = [], []
     for k, (name, make_env, env_fn, policy, E, idle) in enumerate(setups, 1):
         log(f"[{k}/{len(setups)}] {name}{f' (and idle {args.idle_ms:g} ms a turn)' if idle else ''} ...")
-        for r in measure(name, make_env, env_fn, policy, E, args, idle):
+        rows = measure(name, make_env, env_fn, policy, E, args, idle)
+        if len(rows) == 2:
+            idle_pairs.append(rows)
+        for r in rows:
             results.append(r)
             log(f"  -> {r['name']}: limit {r['limit_us_per_step']:.1f} µs a step, rollout {r['rollout_us_per_step']:.1f}: "
                 f"{r['ratio']:.3f}")
@@ -213,10 +215,8 @@ def main() -> None:
             f"{r['over_us_per_step']:12.1f} µs  {lo:.3f} / {med:.3f} / {hi:.3f}")
     log("ratio: limit over rollout, CPU time of this thread (the frames per CPU-second a worker gets relative to the "
         "limit, without the collector's process)")
-    by_name = {r["name"]: r for r in results}
-    for E in counts if args.idle_ms else ():
-        busy, idle = by_name[f"CartPole, {E} envs"], by_name[f"CartPole, {E} envs, idle {args.idle_ms:g} ms a turn"]
-        log(f"turns after {args.idle_ms:g} ms asleep, {E} envs: a step of the limit costs "
+    for busy, idle in idle_pairs:
+        log(f"turns after {args.idle_ms:g} ms asleep, {busy['envs']} envs: a step of the limit costs "
             f"{idle['limit_us_per_step'] / busy['limit_us_per_step'] - 1:+.0%} CPU, of the rollout "
             f"{idle['rollout_us_per_step'] / busy['rollout_us_per_step'] - 1:+.0%} (what waking costs on this machine, "
             f"paid by any loop that waits)")
