@@ -2,12 +2,12 @@
 # One entry point for a fresh clone: creates .venv if needed, installs torch first (so pip never
 # resolves an open-ended torch requirement by itself), then aiocollect, then runs what was asked.
 #   bash scripts/run.sh demo   [args]   collect from CartPole-v1 with worker processes
-#   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, then mypy on the
-#                                       package, the Ray backend's tests (installs the `ray` extra;
-#                                       AIOCOLLECT_SKIP_RAY=1 skips them) and the TorchRL 0.14
-#                                       compatibility check (scripts/torchrl-compat.sh;
+#   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, also mypy on the
+#                                       package and the Ray backend's tests (scripts/ray-tests.sh, in
+#                                       .venv-ray; AIOCOLLECT_SKIP_RAY=1 skips them) beside it, then
+#                                       the TorchRL 0.14 compatibility check (scripts/torchrl-compat.sh;
 #                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
-#   bash scripts/run.sh ray-test [args] tests/test_ray.py, after installing the `ray` extra
+#   bash scripts/run.sh ray-test [args] tests/test_ray.py (scripts/ray-tests.sh: Ray in .venv-ray)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
 #   bash scripts/run.sh pixels [args]   benchmarks/pixels.py (installs the `atari` extra: ale-py, opencv)
 #   bash scripts/run.sh envpool-test [args]
@@ -47,8 +47,9 @@ case "$cmd" in
     fi
     # beside the main suite (its test processes mostly wait on worker processes: about one core of
     # two is free), each into a log: mypy on the package (it ships py.typed), the TorchRL venv's
-    # dependencies, Ray's wheel (~80 MB; installed after the suite). Each in a process group of its
-    # own (setsid), stopped with whatever it started if this script stops first.
+    # dependencies, and the Ray backend's tests (Ray's wheel, ~80 MB, downloaded first; installed
+    # into .venv-ray, so .venv stays as the README's install makes it). Each in a process group of
+    # its own (setsid), stopped with whatever it started if this script stops first.
     logs="$VENV/test-logs"
     mkdir -p "$logs"
     trap 'for job in $(jobs -p); do kill -- "-$job" 2>/dev/null || true; done' EXIT
@@ -58,30 +59,27 @@ case "$cmd" in
     torchrl_deps=$!
     if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
       mkdir -p "$VENV/ray-wheels"
-      setsid "$VENV/bin/python" -m pip download -q --no-deps -c scripts/constraints.txt -d "$VENV/ray-wheels" ray \
-        > "$logs/ray-download.log" 2>&1 &
-      ray_download=$!
+      setsid bash -c '"$1" -m pip download -q --no-deps -c scripts/constraints.txt -d "$2" ray && exec bash scripts/ray-tests.sh' \
+        ray-tests "$VENV/bin/python" "$VENV/ray-wheels" > "$logs/ray.log" 2>&1 &
+      ray_job=$!
     fi
     # two test processes (CI has 2 cores; the tests mostly wait on worker processes); the Ray
-    # backend's tests run in their own step below (one Ray instance for the module)
+    # backend's tests run beside them (their own process: one Ray instance for the module)
     "$VENV/bin/python" -m pytest -n "${AIOCOLLECT_TEST_JOBS:-2}" --ignore=tests/test_ray.py
     echo "[test] the main suite passed; mypy on the package (run beside it):"
     wait "$mypy_job" || { cat "$logs/mypy.log" >&2; exit 1; }
     cat "$logs/mypy.log"
     if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
-      echo "[test] now the Ray backend (installs the ray extra into $VENV)"
-      wait "$ray_download" || { cat "$logs/ray-download.log" >&2; exit 1; }
-      "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt --find-links "$VENV/ray-wheels" -e ".[ray]"
-      "$VENV/bin/python" -m pytest tests/test_ray.py
+      echo "[test] the Ray backend's tests (run beside the suite; waiting for them if they are not done):"
+      wait "$ray_job" || { cat "$logs/ray.log" >&2; exit 1; }
+      cat "$logs/ray.log"
     fi
     echo "[test] now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
     wait "$torchrl_deps" || { cat "$logs/torchrl-deps.log" >&2; exit 1; }
     cat "$logs/torchrl-deps.log"
     trap - EXIT
     exec bash scripts/torchrl-compat.sh ;;
-  ray-test)
-    "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[ray]"
-    exec "$VENV/bin/python" -m pytest tests/test_ray.py "$@" ;;
+  ray-test) exec bash scripts/ray-tests.sh "$@" ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
   pixels)
     "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[atari]"

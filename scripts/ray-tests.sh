@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The Ray backend's tests (tests/test_ray.py) in .venv-ray: a venv layered on .venv (it sees
+# .venv's packages, aiocollect's editable install among them) that adds Ray and whatever of Ray's
+# dependencies .venv lacks. .venv itself is left as the README's install makes it, so that the main
+# suite can run at the same time (scripts/run.sh test runs this beside it).
+#   bash scripts/ray-tests.sh [pytest args]   set up if needed, then run tests/test_ray.py
+# Needs .venv set up first (scripts/run.sh does that). Ray's wheel is taken from .venv/ray-wheels
+# where scripts/run.sh downloaded it, else from the package index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BASE=.venv
+VENV=.venv-ray
+if [ ! -x "$BASE/bin/python" ]; then
+  echo "[ray] $BASE is not set up: run bash scripts/run.sh test (it sets it up and then runs this)" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[ray] creating $VENV on top of $BASE"
+  "$BASE/bin/python" -m venv "$VENV"
+fi
+# .venv's site-packages as a site directory of .venv-ray (a site directory: its .pth files, the
+# editable install's among them, are read too); .venv-ray's own packages come first
+base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+own_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+printf 'import site; site.addsitedir(%s)\n' "$("$BASE/bin/python" -c 'import sys; print(repr(sys.argv[1]))' "$base_site")" \
+  >"$own_site/aiocollect-base-venv.pth"
+stamp="$VENV/.aiocollect-installed"
+if [ ! -f "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ] || [ "$BASE/.aiocollect-installed" -nt "$stamp" ]; then
+  echo "[ray] installing Ray into $VENV (the pin of scripts/constraints.txt)"
+  "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt --find-links "$BASE/ray-wheels" ray 2>&1 \
+    | { grep -v "^WARNING: Location 'file://" || true; }
+  touch "$stamp"
+fi
+"$VENV/bin/python" -c 'import aiocollect, ray, torch; print(f"[ray] Ray {ray.__version__}, torch {torch.__version__}, aiocollect from {aiocollect.__file__}")'
+exec "$VENV/bin/python" -m pytest tests/test_ray.py -p no:cacheprovider "$@"
