@@ -8,6 +8,7 @@ import socket
 import threading
 
 import anyio
+import numpy as np
 import pytest
 
 from aiocollect._backends import child as child_module
@@ -83,3 +84,38 @@ async def test_send_later_goes_with_the_next_message_in_order():
     finally:
         ours.close()
         theirs.close()
+
+
+@pytest.mark.parametrize("columns", ["arrays", "lists", "vector env dtypes"])
+def test_a_batch_info_travels_with_every_episode_as_it_was(columns):
+    """A ``Ready`` through the wire's own encoding (its episodes packed as one record array): every
+    episode's env, trajectory id, return, length and flag come back as they left, in order, with
+    the trajectory counters, the timing and the version; none of them turned into another value."""
+    rng = np.random.default_rng(0)
+    n = 1000
+    env = rng.integers(0, 256, n)
+    traj = rng.integers(0, 2**40, n)
+    ret = rng.normal(size=n)
+    ret[:3] = [np.inf, -np.inf, 3e38]
+    length = rng.integers(1, 10_000, n)
+    term = rng.random(n) < 0.5
+    if columns == "lists":
+        cols = [env.tolist(), traj.tolist(), ret.tolist(), length.tolist(), term.tolist()]
+    elif columns == "vector env dtypes":
+        cols = [env.astype(np.int32), traj, ret.astype(np.float32), length.astype(np.int32), term]
+    else:
+        cols = [env, traj, ret, length, term]
+    episodes = wire.Episodes(*cols)
+    info = wire.BatchInfo(episodes, [3, 1, 4], {"env": 0.25, "policy": 0.125}, 7)
+    [back] = wire.FrameReader().feed(wire.encode(wire.Ready(2, 9, info)))
+    assert (back.slot, back.n) == (2, 9)
+    assert (back.info.traj_counters, back.info.timing, back.info.version) == ([3, 1, 4], {"env": 0.25, "policy": 0.125}, 7)
+    assert list(back.info.episodes) == list(episodes)
+    assert back.info.episodes.last_returns(5) == episodes.last_returns(5)
+    assert all(type(v) is t for v, t in zip(next(iter(back.info.episodes)), (int, int, float, int, bool)))
+
+
+def test_a_batch_info_without_episodes_travels_as_none():
+    info = wire.BatchInfo(wire.NO_EPISODES, [0], {}, 0)
+    [back] = wire.FrameReader().feed(wire.encode(wire.Ready(0, 0, info)))
+    assert len(back.info.episodes) == 0 and list(back.info.episodes) == [] and back.info.episodes.last_returns(3) == []

@@ -100,6 +100,33 @@ class Episodes:
 
 NO_EPISODES = Episodes([], [], [], [], [])
 
+# an episode as it travels in a BatchInfo's pickle: the columns of Episodes, one record each
+_EPISODE_ROW = np.dtype([("env", "<i8"), ("traj_id", "<i8"), ("ret", "<f8"), ("length", "<i8"), ("terminated", "?")])
+
+
+def _packed(episodes: Episodes) -> bytes:
+    """``episodes`` as the bytes of one record array (:data:`_EPISODE_ROW`)."""
+    if not len(episodes):
+        return b""
+    rows = np.empty(len(episodes), _EPISODE_ROW)
+    rows["env"] = episodes.env
+    rows["traj_id"] = episodes.traj_id
+    rows["ret"] = episodes.ret
+    rows["length"] = episodes.length
+    rows["terminated"] = episodes.terminated
+    return rows.tobytes()
+
+
+def _batch_info(packed: bytes, traj_counters: list[int], timing: dict[str, float], version: int) -> "BatchInfo":
+    """A :class:`BatchInfo` from its pickle (:meth:`BatchInfo.__reduce__`): the episodes' columns
+    are views on one read-only record array."""
+    if packed:
+        rows = np.frombuffer(packed, _EPISODE_ROW)
+        episodes = Episodes(rows["env"], rows["traj_id"], rows["ret"], rows["length"], rows["terminated"])
+    else:
+        episodes = NO_EPISODES
+    return BatchInfo(episodes, traj_counters, timing, version)
+
 
 @_frozen
 class BatchInfo:
@@ -110,12 +137,21 @@ class BatchInfo:
     timing: dict[str, float]  # seconds in env.step and in the policy
     version: int  # the policy version the batch was collected with (its last step's)
 
+    def __reduce__(self) -> tuple:
+        """Pickled once per batch and worker, on both sides of the critical path of a round: the
+        episodes go as the bytes of one record array (a fifth of the time of the dataclasses'
+        and arrays' own pickling, both ways)."""
+        return _batch_info, (_packed(self.episodes), self.traj_counters, self.timing, self.version)
+
 
 @_frozen
 class Ready:
     slot: int
     n: int  # the batch's number among this process's batches
     info: BatchInfo
+
+    def __reduce__(self) -> tuple:
+        return Ready, (self.slot, self.n, self.info)  # (not the dataclass's state functions: slower)
 
 
 @_frozen
