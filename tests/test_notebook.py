@@ -56,14 +56,19 @@ print("CHILDREN", json.dumps([[pid, _cmdline(pid), _workers(pid)] for pid in _ch
 
 
 def _text(cell) -> str:
-    """Everything a code cell printed or showed as text."""
+    """Everything a code cell printed or showed as text. A stream's chunks are joined as they
+    came: the kernel sends what was printed when it flushes (on a timer), so one ``print("a", b)``
+    may arrive as two outputs, ``"a"`` and ``" b\\n"``."""
     parts = []
     for output in cell.get("outputs", []):
         if output["output_type"] == "stream":
-            parts.append(output["text"])
+            if parts and parts[-1][0] == output["name"]:
+                parts[-1] = (output["name"], parts[-1][1] + output["text"])
+            else:
+                parts.append((output["name"], output["text"]))
         elif output["output_type"] in ("execute_result", "display_data"):
-            parts.append(output["data"].get("text/plain", ""))
-    return "\n".join(parts)
+            parts.append(("", output["data"].get("text/plain", "")))
+    return "\n".join(text for _, text in parts)
 
 
 NEEDS = "running the notebook needs nbclient, nbformat and ipykernel (the test extra: pip install -e '.[test]')"
