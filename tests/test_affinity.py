@@ -69,6 +69,43 @@ async def test_server_training_loop_with_workers_off_the_first_cpu_runs_to_its_e
     assert c.config.worker_cpus == (tuple(REST),) * 2 or len(ALLOWED) == 1
 
 
+def _policy_of_every_thread(pid: int) -> set[int]:
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(os.sched_getscheduler(int(tid)))
+        except (ProcessLookupError, OSError):  # the thread ended meanwhile
+            pass
+    return out
+
+
+@pytest.mark.parametrize("inference", ["worker", "server"])
+async def test_workers_acting_with_their_own_policy_run_under_sched_batch_and_a_replacement_too(inference):
+    """The README's loop: every thread of each worker process runs under SCHED_BATCH (a worker
+    woken by its credit preempts no one), a replacement of a killed worker too; this process
+    keeps its own policy. Server inference (its workers wait on the server within a batch)
+    keeps the default. The data stay continuous across the restart."""
+    mine = os.sched_getscheduler(0)
+    want = os.SCHED_BATCH if inference == "worker" else os.SCHED_OTHER
+    with anyio.fail_after(90):
+        async with Collector("CartPole-v1", Greedy(), frames_per_batch=2 * 4 * 16, total_frames=2 * 4 * 16 * 6, seed=1,
+                             num_workers=2, envs_per_worker=4, inference=inference,
+                             on_worker_failure="restart") as c:
+            n, first, checked = 0, None, set()
+            async for batch in c:
+                check_dynamics(batch)
+                for pid in c.worker_pids:
+                    assert _policy_of_every_thread(pid) == {want}, pid
+                    checked.add(pid)
+                if n == 1:
+                    first = c.worker_pids[0]
+                    os.kill(first, signal.SIGKILL)
+                n += 1
+    assert first is not None and len(checked) == 3  # (both workers and the replacement)
+    assert os.sched_getscheduler(0) == mine
+    assert n == 6
+
+
 async def test_one_cpu_per_worker_is_kept_by_a_replacement():
     """`worker_cpus=[[a], [b]]` places each worker on its CPU; under on_worker_failure="restart"
     the replacement of a killed worker runs on the CPU of the one it replaces, and the run goes on

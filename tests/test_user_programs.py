@@ -63,13 +63,19 @@ async def test_training_loop_with_weight_updates_runs_to_its_natural_end(deliver
     """`async for batch in c: train(batch); await c.update_weights(policy)` with a finite
     total_frames ends cleanly after exactly total_frames // frames_per_batch batches, whatever
     the delivery mode, prefetch and backend; the data obey CartPole's dynamics; the versions
-    each worker's frames carry never go back; after the end an update returns a new version without
-    waiting, and after aclose() it raises CollectorClosedError."""
+    each worker's frames carry never go back and some carry an update; after the end an update
+    returns a new version without waiting, and after aclose() it raises CollectorClosedError.
+    Async workers run ahead into all their free slots (4 each, 2 * prefetch + 3 with prefetch):
+    on a loaded machine every one of them, and one slot given back by a copy, may be filled before
+    the first update, so the run is long enough that a batch started after it is delivered."""
     policy = Greedy()
     batches, versions = 0, {}
-    total_envs = 2 * max(num_workers, 1)
+    seats = max(num_workers, 1)
+    total_envs = 2 * seats
+    ahead = seats * (4 if prefetch == 0 else 2 * prefetch + 3) + 1  # batches that may all be version 0
+    total = 6 if delivery == "sync" else ahead + 1
     with anyio.fail_after(60):
-        async with Collector("CartPole-v1", policy, frames_per_batch=256, total_frames=256 * 6, num_workers=num_workers,
+        async with Collector("CartPole-v1", policy, frames_per_batch=256, total_frames=256 * total, num_workers=num_workers,
                              envs_per_worker=2, delivery=delivery, prefetch=prefetch) as c:
             async for batch in c:
                 check_batch(batch)
@@ -82,9 +88,9 @@ async def test_training_loop_with_weight_updates_runs_to_its_natural_end(deliver
                 assert version == batches
             assert c.state is State.STOPPED
             assert await c.update_weights(policy) == batches + 1  # the workers are done: nothing to wait for
-    assert batches == 6
+    assert batches == total
     assert all(v == sorted(v) for v in versions.values()), versions
-    assert max(max(v) for v in versions.values()) >= 1
+    assert max(max(v) for v in versions.values()) >= 1, versions
     with pytest.raises(CollectorClosedError):
         await c.update_weights(policy)
 

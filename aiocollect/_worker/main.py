@@ -18,7 +18,7 @@ from collections import deque
 from typing import Any
 
 from .._core import heartbeat as _heartbeat
-from .._core.affinity import apply_cpus
+from .._core.affinity import apply_cpus, batch_scheduling
 from .peer import Peer, serve_peer
 from .._core.wire import (
     Applied, Config, Credit, EnvCall, Hello, Profile, ProfileOff, Ready, Release, Slots, Spec, Store, Trace,
@@ -112,6 +112,8 @@ class Worker(Peer):
         config = self.expect(Config)
         cfg = cloudpickle.loads(config.payload)
         apply_cpus(cfg.cpus, f"worker {cfg.worker}")  # before the envs: what they start inherits it
+        if cfg.policy.kind != "server":
+            batch_scheduling()  # (the same share of the CPU; a worker woken by its credit preempts no one)
         self.rollout = rollout = open_rollout(cfg)  # a Rollout, or a VectorRollout for vector envs
         self.send(Spec(rollout.spec()))
         slots, fds = self.recv()
