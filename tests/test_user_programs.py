@@ -65,14 +65,15 @@ async def test_training_loop_with_weight_updates_runs_to_its_natural_end(deliver
     the delivery mode, prefetch and backend; the data obey CartPole's dynamics; the versions
     each worker's frames carry never go back and some carry an update; after the end an update
     returns a new version without waiting, and after aclose() it raises CollectorClosedError.
-    Async workers run ahead into all their free slots (4 each, 2 * prefetch + 3 with prefetch):
-    on a loaded machine every one of them, and one slot given back by a copy, may be filled before
-    the first update, so the run is long enough that a batch started after it is delivered."""
+    Async workers each run up to prefetch + 1 batches ahead (at least two), the worker of each
+    batch taken (the first one, and `prefetch` assembled ahead) one more: on a loaded machine all
+    of them may be started before the first update, and the next one delivered is started after
+    it (so carries it)."""
     policy = Greedy()
     batches, versions = 0, {}
     seats = max(num_workers, 1)
     total_envs = 2 * seats
-    ahead = seats * (4 if prefetch == 0 else 2 * prefetch + 3) + 1  # batches that may all be version 0
+    ahead = seats * max(2, prefetch + 1) + 1 + prefetch  # batches that may all be version 0
     total = 6 if delivery == "sync" else ahead + 1
     with anyio.fail_after(60):
         async with Collector("CartPole-v1", policy, frames_per_batch=256, total_frames=256 * total, num_workers=num_workers,
@@ -93,6 +94,33 @@ async def test_training_loop_with_weight_updates_runs_to_its_natural_end(deliver
     assert max(max(v) for v in versions.values()) >= 1, versions
     with pytest.raises(CollectorClosedError):
         await c.update_weights(policy)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_async_workers_run_ahead_by_their_slots_to_fill_not_more(prefetch):
+    """`delivery="async"` is off-policy, but boundedly: each worker runs at most prefetch + 1
+    batches (at least two) ahead of what was taken, not into the slots kept for lending, and
+    `prefetch` batches are assembled ahead. However long the trainer takes, after an update at
+    most those batches still carry the weights before it (TorchRL's MultiaSyncDataCollector: one
+    per worker)."""
+    policy = Greedy()
+    workers, ahead = 2, max(2, prefetch + 1)
+    with anyio.fail_after(60):
+        async with Collector("CartPole-v1", policy, frames_per_batch=64, num_workers=workers, envs_per_worker=2,
+                             delivery="async", prefetch=prefetch) as c:
+            stale = 0
+            async for batch in c:
+                version = int(batch["collector", "policy_version"].min())
+                if c.policy_version == 0:  # the first batch: a long training step, then an update
+                    await anyio.sleep(0.5)  # (time for the workers to fill what they may)
+                    train(policy)
+                    assert await c.update_weights(policy) == 1
+                elif version == 0:
+                    stale += 1
+                else:
+                    break
+            del batch  # (a lent batch: its memory goes back once nothing refers to it)
+    assert stale <= workers * ahead + prefetch, stale
 
 
 @pytest.mark.parametrize("inference", ["worker", "server"])

@@ -195,9 +195,9 @@ class CollectorConfig:
     update may have been collected up to ``N`` versions before it (see ``("collector",
     "policy_version")``), and more shared memory: each worker has 4 batch slots with
     ``prefetch=0``, ``2 * prefetch + 3`` above (without ``zero_copy``).
-    ``delivery="async"`` (TorchRL's ``MultiAsyncCollector``, off-policy by nature) always lets its
-    workers run ahead into their free slots, whatever ``prefetch`` is; there ``prefetch`` only adds
-    batches assembled ahead (and their slots)."""
+    ``delivery="async"`` (TorchRL's ``MultiAsyncCollector``, off-policy by nature) lets each worker
+    run ``max(2, prefetch + 1)`` batches ahead of those taken and assembles ``prefetch`` more: after
+    an update at most that many carry older weights."""
     zero_copy: bool | Literal["debug"] = False
     """Deliver each batch as views on the workers' shared memory that are handed back at the next
     request, kept or not (TorchRL's ``return_same_td``, without the reuse of one TensorDict).
@@ -643,10 +643,16 @@ class CollectorConfig:
         return self.prefetch + 2
 
     @property
+    def fill_slots(self) -> int:
+        """Batch slots per worker to fill ahead of the consumer: ``prefetch`` ahead and one being
+        filled, at least two (in async delivery, how far each worker runs ahead)."""
+        return max(2, self.prefetch + 1)
+
+    @property
     def num_slots(self) -> int:
         """Batch slots per worker: ``prefetch`` ahead, one being filled, and with ``zero_copy``
         one more held by the consumer, or the slots that may be lent (:attr:`lend_slots`)."""
-        return max(2, self.prefetch + 1) + (1 if self.zero_copy else self.lend_slots)
+        return self.fill_slots + (1 if self.zero_copy else self.lend_slots)
 
     def check_slot_memory(self, layout: Any = None, extra_nbytes: int = 0) -> None:
         """The batch slots of every worker must fit in this machine's memory.

@@ -168,7 +168,18 @@ class Producer:
                     pass
             return
         else:
-            target = remaining
+            # each worker runs ahead by its slots to fill (``prefetch + 1``, at least two), not
+            # into the slots kept for lending: a batch handed out after an update was started at
+            # most that many batches of its worker before it
+            ahead = min(c.fill_slots, max(remaining - self.rounds, 0))
+            for w in workers:
+                target = w.completed - len(w.ready) + ahead  # (its batches taken so far, plus those ahead)
+                if w.credits_sent < target:
+                    try:
+                        await w.grant(target - w.credits_sent)
+                    except BrokenWorkerError:
+                        pass  # it died under us: its own task reports it
+            return
         for w in workers:
             if w.credits_sent < target:
                 try:
@@ -281,7 +292,9 @@ class Producer:
             return [(w, w.take()) for w in workers]
         await self._wait(lambda: bool(self.arrivals), remaining)
         w = self.arrivals.popleft()
-        return [(w, w.take())]
+        part = w.take()
+        await self._pump(remaining)  # its next credit now, not after the delivery (which may wait)
+        return [(w, part)]
 
     async def _collect(self, parts: list[tuple["RolloutSeat", Any]], remaining: int) -> tuple["TensorDict", Lease | None]:
         """Assemble the round's batch, give back the slots it does not hold, count the round."""
