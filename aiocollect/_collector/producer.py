@@ -158,34 +158,22 @@ class Producer:
             if c.update_at_each_batch and self.sync.can_pull and any(w.credits_sent < target for w in workers):
                 # pulled right before the workers may start the next batch(es)
                 await self.hooks.pull_weights()
+            targets = [target] * len(workers)
         elif allowed is not None:
             # rounds in all, not per worker: one more at a time to the worker with the fewest
             owed = allowed - sum(w.credits_sent for w in workers)
             for w in sorted(workers, key=lambda w: w.credits_sent)[: max(owed, 0)]:
-                try:
-                    await w.grant(1)
-                except BrokenWorkerError:
-                    pass
+                await _grant(w, 1)
             return
         else:
             # each worker runs ahead by its slots to fill (``prefetch + 1``, at least two), not
             # into the slots kept for lending: a batch handed out after an update was started at
             # most that many batches of its worker before it
             ahead = min(c.fill_slots, max(remaining - self.rounds, 0))
-            for w in workers:
-                target = w.completed - len(w.ready) + ahead  # (its batches taken so far, plus those ahead)
-                if w.credits_sent < target:
-                    try:
-                        await w.grant(target - w.credits_sent)
-                    except BrokenWorkerError:
-                        pass  # it died under us: its own task reports it
-            return
-        for w in workers:
+            targets = [w.completed - len(w.ready) + ahead for w in workers]  # (its batches taken, plus those)
+        for w, target in zip(workers, targets):
             if w.credits_sent < target:
-                try:
-                    await w.grant(target - w.credits_sent)
-                except BrokenWorkerError:
-                    pass  # it died under us: its own task reports it
+                await _grant(w, target - w.credits_sent)
 
     def _deliverable(self) -> bool:
         if self.config.delivery == "sync":
@@ -434,6 +422,15 @@ def _build(layout: SlotLayout, views: list[dict[Key, np.ndarray]], chunk: Any, E
     # device "cpu", as TorchRL's batches say (measured: a few microseconds more per batch)
     nested: Any = _nest(flat)
     return TensorDict(nested, batch_size=[E, T], names=[None, "time"], device="cpu")  # type: ignore[list-item]
+
+
+async def _grant(worker: "RolloutSeat", credits: int) -> None:
+    """Let ``worker`` fill ``credits`` more batches; one that died under us is left to its own
+    task, which reports it."""
+    try:
+        await worker.grant(credits)
+    except BrokenWorkerError:
+        pass
 
 
 async def _release(parts: list[tuple["RolloutSeat", int]]) -> None:
