@@ -53,7 +53,8 @@ def local_ray() -> Iterator[None]:
     import ray
 
     started = not ray.is_initialized()
-    if started:
+    if started:  # (Ray starts its workers at niceness 15: a busy machine, such as the suite beside, starves them)
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
     try:

@@ -147,6 +147,35 @@ async def test_a_persisted_call_is_made_again_by_a_replacement_and_an_unpersiste
         assert (reward == 2.0).all() and (epoch == 1).all()  # (the epoch of the last kept call)
 
 
+async def test_a_call_in_flight_when_its_worker_is_replaced_is_replayed_and_answered_once():
+    """A replacement built while a change is in flight to the worker it replaces applies that
+    change with the kept calls, before its first step (a Ray actor takes calls and batches on two
+    threads: the call sent again could land after its first step), and answers the call sent again
+    from that replay, without applying it a second time."""
+    from types import SimpleNamespace
+
+    from aiocollect._service.env_calls import EnvCallLog, message
+    from aiocollect._worker.env_calls import EnvEpochs, apply, replay
+
+    log = EnvCallLog()
+    log.rows_per_worker = 2
+    fresh = SimpleNamespace(rows=2, envs=[RewardScale(), RewardScale()], env_epochs=EnvEpochs(2), vecs=None)
+
+    async def send(epoch: int) -> list:  # the worker dies with the call: its replacement starts meanwhile
+        replay(fresh, log.kept_for(1))
+        again = message(log.next_id(), "call", "raise_scale", (1.0,), {}, None, [(0, 0), (1, 1)], epoch)
+        return apply(fresh, again)
+
+    async def answered(epoch: int) -> list:
+        return [None] * 4
+
+    await log.make("set", "scale", ([2.0, 3.0, 4.0, 5.0],), {}, [0, 1, 2, 3], [2.0, 3.0, 4.0, 5.0], False, answered)
+    results, epoch = await log.make("call", "raise_scale", (1.0,), {}, [2, 3], None, True, send)
+    assert results == [5.0, 6.0] and epoch == 2
+    assert [env.scale for env in fresh.envs] == [5.0, 6.0]  # (set_attr's 4.0 and 5.0, raised once)
+    assert fresh.env_epochs.now.tolist() == [2, 2]
+
+
 @pytest.mark.timeout(120)
 async def test_a_persisted_call_its_worker_died_in_is_made_once_by_the_replacement(tmp_path):
     """A worker SIGKILLed while it applies a persist=True call: its replacement makes the call (the

@@ -121,6 +121,9 @@ def ensure_ray(ray: Any) -> None:
     if not ray.is_initialized():
         log.info("aiocollect: Ray is not initialised: starting a local Ray instance (call ray.init() first to choose; "
                  "it blocks the event loop for a few seconds)")
+        # Ray starts its workers at niceness 15: on the machine that trains, the training loop would
+        # starve the actors; a local instance started here runs them at the trainer's priority
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(include_dashboard=False)
 
 

@@ -86,8 +86,7 @@ async def _send(
         if kind == "policy":
             msg = dataclasses.replace(msg, rows=None)
         try:
-            with pool.env_calls.sending(w, epoch):
-                got = await pool.workers[w].env_call(msg)
+            got = await pool.workers[w].env_call(msg)
         except Exception as exc:  # noqa: BLE001 - raised below, the first worker's first
             errors[w] = exc
             return

@@ -13,9 +13,8 @@ envs are made.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 import anyio
 
@@ -45,7 +44,6 @@ class EnvCallLog:
         self.epoch = 0  # the last epoch started
         self.kept: list[Kept] = []
         self.rows_per_worker = 1  # (set once the workers' specs are known)
-        self.unanswered: dict[int, set[int]] = {}  # per worker: epochs of changes sent to it, not answered yet
         self._ids = 0
         self._lock: anyio.Lock | None = None
 
@@ -74,29 +72,14 @@ class EnvCallLog:
         if entry in self.kept:
             self.kept.remove(entry)
 
-    @contextlib.contextmanager
-    def sending(self, worker: int, epoch: int) -> Iterator[None]:
-        """A change of epoch ``epoch`` is being sent to ``worker`` until it answers: a replacement
-        does not apply it with the kept calls, as the seat sends it the call itself."""
-        if not epoch:
-            yield
-            return
-        waiting = self.unanswered.setdefault(worker, set())
-        waiting.add(epoch)
-        try:
-            yield
-        finally:
-            waiting.discard(epoch)
-
     def kept_for(self, worker: int) -> tuple[EnvCall, ...]:
-        """The kept calls, as worker ``worker``'s replacement applies them (its own rows), but
-        for the one it is sent anyway (an unanswered call of the worker it replaces)."""
+        """The kept calls, as worker ``worker``'s replacement applies them (its own rows), in
+        order. A call the failed worker had not answered is among them (applied before the
+        replacement's first step) and is also sent to the replacement, which answers it from
+        the replay (:func:`aiocollect._worker.env_calls.replay`)."""
         R = self.rows_per_worker
         out = []
-        skip = self.unanswered.get(worker, set())
         for k in self.kept:
-            if k.epoch in skip:
-                continue
             mine = [(r - worker * R, i) for i, r in enumerate(k.rows) if worker * R <= r < (worker + 1) * R]
             if mine:
                 out.append(message(self.next_id(), k.kind, k.name, k.args, k.kwargs, k.values, mine, k.epoch))

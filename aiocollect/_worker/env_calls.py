@@ -32,6 +32,7 @@ class EnvEpochs:
         self._first: np.ndarray | None = None  # the epochs at the start of the batch being filled
         self._marks: list[tuple[int, Any, int]] = []  # (step of the batch, rows, epoch)
         self._step: Callable[[], int] = lambda: 0
+        self.replayed: dict[int, tuple[tuple[int, ...] | None, list]] = {}  # per epoch: rows, results of a replayed call
 
     def begin(self, step: Callable[[], int]) -> None:
         """A batch starts; ``step()`` is the number of its steps taken so far."""
@@ -134,10 +135,14 @@ def apply(rollout: Any, call: EnvCall) -> list:
     order of ``call.rows`` (``"policy"``: one). Raises what the env (or the policy) raised."""
     import cloudpickle
 
-    args, kwargs = cloudpickle.loads(call.payload)
     if call.kind == "policy":
+        args, kwargs = cloudpickle.loads(call.payload)
         return [getattr(_policy(rollout), call.name)]
     parts = getattr(rollout, "groups", None) or [rollout]  # (worker_groups: Rollouts of a few rows each)
+    replayed = parts[0].env_epochs.replayed.pop(call.epoch, None) if call.epoch else None
+    if replayed is not None and replayed[0] == call.rows:
+        return list(replayed[1])  # (the call of the worker this one replaces: applied already, by replay())
+    args, kwargs = cloudpickle.loads(call.payload)
     where = [(p, i) for p in parts for i in range(p.rows)]
     rows = range(len(where)) if call.rows is None else call.rows
     values = list(args[0]) if call.kind == "set" else [None] * len(rows)
@@ -185,9 +190,13 @@ def answer(rollout: Any, call: EnvCall) -> EnvCallDone:
 
 def replay(rollout: Any, calls: Sequence[EnvCall]) -> None:
     """A replacement's envs are made: apply the calls kept for it (``set_attr`` and persisted
-    calls) in order, before its first reset; raises what one raised."""
+    calls) in order, before its first reset; raises what one raised. The call that the failed
+    worker had not answered is among them and is sent again: :func:`apply` answers it with the
+    results of its replay, and does not apply it twice."""
+    parts = getattr(rollout, "groups", None) or [rollout]
     for call in calls:
-        apply(rollout, call)
+        results = apply(rollout, call)
+        parts[0].env_epochs.replayed[call.epoch] = (call.rows, results)
 
 
 __all__ = ["EnvEpochs", "answer", "apply", "replay"]
