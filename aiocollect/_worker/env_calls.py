@@ -136,7 +136,6 @@ def apply(rollout: Any, call: EnvCall) -> list:
     import cloudpickle
 
     if call.kind == "policy":
-        args, kwargs = cloudpickle.loads(call.payload)
         return [getattr(_policy(rollout), call.name)]
     parts = getattr(rollout, "groups", None) or [rollout]  # (worker_groups: Rollouts of a few rows each)
     replayed = parts[0].env_epochs.replayed.pop(call.epoch, None) if call.epoch else None
