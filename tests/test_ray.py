@@ -710,6 +710,19 @@ def _boom(env):
     raise KeyError("no such level")
 
 
+async def _until_dead(pid: int) -> None:
+    """Until a local actor's process has exited (gone, or a zombie not yet reaped)."""
+    with anyio.fail_after(30):
+        while True:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        return
+            except FileNotFoundError:
+                return
+            await anyio.sleep(0.01)
+
+
 async def test_env_calls_on_actors_give_results_in_row_order_and_errors_with_the_actor_traceback():
     """call/get_attr/map_fn/getattr_env/getattr_policy reach the actors' envs and policy with one
     result per env row; an env's error arrives as its own type with the actor's traceback, and the
@@ -730,7 +743,9 @@ async def test_env_calls_on_actors_give_results_in_row_order_and_errors_with_the
             assert await c.call("set_level", 7, persist=True) == [7] * 4
             batch = await c.collect()
             assert (batch["collector", "env_epoch"] == c.env_epoch).all()
+            dead = c.worker_pids[0]
             ray.kill(c._run.shared.pool.workers[0].actor)
+            await _until_dead(dead)  # (ray.kill returns first: the actor could still answer the call)
             # (the idle actor's death is found by the call, which its replacement answers)
             assert await c.get_attr("level") == [7] * 4
             assert c.stats().restarts == 1
