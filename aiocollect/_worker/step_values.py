@@ -38,7 +38,15 @@ class StepValues:
         returned) into ``next0``, ``rew_t``, ``term_t`` and ``trunc_t``, with one numpy call each
         where they are of the batch's own types (a numpy write per env and value costs more than
         the Python list it is written from), else env by env, each checked. Returns the flags, as
-        the envs returned them.
+        the envs returned them (see :meth:`observations`, :meth:`rewards` and :meth:`flags`)."""
+        rew_l, term_l, trunc_l = self.observations(results, next0)
+        rew_t[:] = self.rewards(rew_l)
+        self.flags(term_l, trunc_l, term_t, trunc_t)
+        return term_l, trunc_l
+
+    def observations(self, results: list[tuple], next0: np.ndarray) -> tuple[tuple, tuple, tuple]:
+        """One step's ``results`` (what each env's ``step`` returned): the observations into
+        ``next0``; returns the rewards and both flags, as the envs returned them.
 
         The observations are stacked by one ``np.array`` call and written as they are where the
         stack has the leaf's own dtype and shape: then no value was cast, so none needs a check
@@ -57,13 +65,23 @@ class StepValues:
                 if getattr(obs, "dtype", None) is not dtype0 or obs.shape != shape0:
                     obs = check_value(obs, leaf0, f"env {ids[i]}'s observation", space0)
                 next0[i] = obs
-        if all(reward.__class__ is float for reward in rew_l):  # (what most envs return)
-            rew_t[:] = rew_l
-        else:
-            for i, reward in enumerate(rew_l):
-                if not isinstance(reward, (float, int)):
-                    reward = check_reward(reward, f"env {self.env_ids[i]}'s reward at {self.step_text(i)}")
-                rew_t[i] = reward
+        return rew_l, term_l, trunc_l
+
+    def rewards(self, rew_l: Sequence[Any]) -> Sequence[Any]:
+        """One step's rewards, as the envs returned them: as they are where each is a Python
+        float (what most envs return; numpy stores those exactly), else each checked and
+        converted (an error names the env and its step)."""
+        if all(reward.__class__ is float for reward in rew_l):
+            return rew_l
+        return [
+            reward if isinstance(reward, (float, int)) else
+            check_reward(reward, f"env {self.env_ids[i]}'s reward at {self.step_text(i)}")
+            for i, reward in enumerate(rew_l)
+        ]
+
+    @staticmethod
+    def flags(term_l: Sequence[Any], trunc_l: Sequence[Any], term_t: np.ndarray, trunc_t: np.ndarray) -> None:
+        """One step's flags, as the envs returned them, into ``term_t`` and ``trunc_t``."""
         try:  # (numpy reads bools, numpy bools and ints alike)
             term_t[:] = term_l
             trunc_t[:] = trunc_l
@@ -71,7 +89,6 @@ class StepValues:
             for i, (terminated, truncated) in enumerate(zip(term_l, trunc_l)):
                 term_t[i] = terminated
                 trunc_t[i] = truncated
-        return term_l, trunc_l
 
     def nonfinite_obs(self, k: int, i: int, value: np.ndarray, when: str) -> NoReturn:
         """``check_finite``: row ``i``'s observation leaf ``k`` (``value``), returned ``when``, is not finite."""
