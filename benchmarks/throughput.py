@@ -33,16 +33,17 @@ For every window the CPU time of this benchmark's processes (workers included) a
 machine is read from /proc: "cores used", "per-core ratio" (frames per CPU-second relative to the
 limit's; less sensitive to what else runs on a shared machine) and "busy elsewhere" (other processes,
 hypervisor steal). On a noisy machine read the ratios, and distrust a run whose "busy elsewhere" is high.
-aiocollect's "cores used" leave out the event-loop ticker below (the benchmark's probe, which the limit
-does not run): its CPU on the idle loop just before the collector starts, about 0.04 cores, is taken
-off. The JSON has each setup's per-core ratio under ``per_core`` (``compare_trees.py`` shows them).
+The JSON has each setup's per-core ratio under ``per_core`` (``compare_trees.py`` shows them).
 
 Also measured:
 
 * **event-loop lag** while aiocollect collects: a ticker task does ``await anyio.sleep(0.001)`` in a loop
-  and records ``actual_elapsed - 0.001``; p50/p99/max over the measured window (the ticker runs during
-  both aiocollect measurements, so their fps include its small cost). The same ticker on the idle loop
-  just before the collector starts is printed for reference (uvloop timers have 1 ms resolution).
+  and records ``actual_elapsed - 0.001``; p50/p99/max over ``--lag-seconds`` (default 2) right after each
+  aiocollect throughput window, with the same collector still collecting. Not during the throughput
+  window: the limit runs no ticker, and on a machine with no core to spare its 1,000 wake-ups a second
+  preempt the workers (on 2 cores that took 5-12% of aiocollect's frames per CPU-second). The same
+  ticker on the idle loop just before the collector starts is printed for reference (uvloop timers
+  have 1 ms resolution).
 * **Collector() -> first batch**, in a fresh subprocess (nothing pre-imported or pre-started): from just
   before ``Collector(...)`` (after ``import torch``, ``from aiocollect import Collector`` and building the
   policy) to the first batch; then, in that same process, a second collector constructed after the first
@@ -55,7 +56,8 @@ Run (the default run takes about a minute; the machine's noise matters, read rat
 
 Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
 section that leaves processes behind is reported with a warning and they are terminated. Options:
-``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--prefetch``, ``--train-ms``, ``--json PATH``,
+``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--prefetch``, ``--train-ms``,
+``--lag-seconds``, ``--json PATH``,
 ``--skip-baselines`` (gymnasium and TorchRL; the limit always runs), ``--skip-aiocollect``.
 """
 
@@ -276,31 +278,29 @@ async def _ticker(samples: list[tuple[float, float]]) -> None:
         samples.append((now, now - t - TICK_S))
 
 
-async def _idle_lag(seconds: float) -> tuple[list[float], float]:
-    """The ticker alone on the idle loop for ``seconds``: its lag samples, and the cores it used
-    (this process's CPU time over the wall time: the ticker's own cost, which the limit does not pay)."""
+async def _idle_lag(seconds: float) -> list[float]:
+    """The ticker alone on the idle loop for ``seconds``: its lag samples."""
     import anyio
 
     samples: list[tuple[float, float]] = []
-    cpu0, t0 = time.process_time(), time.perf_counter()
     with anyio.move_on_after(seconds):
         await _ticker(samples)
-    cores = (time.process_time() - cpu0) / (time.perf_counter() - t0)
-    return [lag for _, lag in samples], cores
+    return [lag for _, lag in samples]
 
 
 async def _collect_aiocollect(
     collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace, delivery: str, meter: Meter,
     prefetch: int | None = None,
-) -> tuple[list[float], list[float], float]:
-    """Measure one aiocollect run; returns (idle lag samples, lag samples in the measuring window,
-    cores the ticker used on the idle loop)."""
+) -> tuple[list[float], list[float]]:
+    """Measure one aiocollect run: its throughput (no ticker), then, with the same collector, the
+    event-loop lag over ``--lag-seconds`` (the ticker on). Returns (idle lag samples, lag samples
+    while collecting)."""
     import anyio
 
-    idle, ticker_cores = await _idle_lag(0.5)
+    idle = await _idle_lag(0.5)
     samples: list[tuple[float, float]] = []
+    lag_end: float | None = None
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_ticker, samples)
         meter.t_section = time.perf_counter()
         async with collector_cls(
             ENV_ID,
@@ -313,14 +313,16 @@ async def _collect_aiocollect(
             **({} if prefetch is None else {"prefetch": prefetch}),
         ) as collector:
             async for batch in collector:
-                if meter.add(batch.numel()):
+                if lag_end is None:
+                    if meter.add(batch.numel()):  # (the throughput window is over: now the lag's)
+                        lag_end = time.perf_counter() + args.lag_seconds
+                        tg.start_soon(_ticker, samples)
+                elif time.perf_counter() >= lag_end:
                     break
                 if args.train_ms:
                     await anyio.sleep(args.train_ms / 1000)
         tg.cancel_scope.cancel()
-    t0, t1 = meter.t0, meter.t1
-    window = [] if t0 is None or t1 is None else [lag for t, lag in samples if t0 <= t <= t1]
-    return idle, window, ticker_cores
+    return idle, [lag for _, lag in samples]
 
 
 def run_aiocollect(
@@ -329,7 +331,7 @@ def run_aiocollect(
     import anyio
 
     meter = Meter(args.seconds, args.warmup)
-    idle, window, ticker_cores = anyio.run(
+    idle, window = anyio.run(
         _collect_aiocollect,
         collector_cls,
         policy,
@@ -341,10 +343,6 @@ def run_aiocollect(
     )
     result = meter.result(f"aiocollect {delivery}" + ("" if prefetch is None else f" prefetch={prefetch}"))
     result.extra = {"loop_lag_ms": percentiles_ms(window), "idle_loop_lag_ms": percentiles_ms(idle)}
-    if result.cpu:  # (the ticker is the benchmark's probe, not aiocollect's work: the limit runs none)
-        result.extra["ticker_cores"] = ticker_cores
-        result.cpu["ours"] = max(result.cpu["ours"] - ticker_cores, 1e-9)
-        result.cpu["main"] = max(result.cpu["main"] - ticker_cores, 0.0)
     return result
 
 
@@ -368,7 +366,8 @@ def run_tree(args: argparse.Namespace, tree: str, delivery: str, name: str) -> R
     """aiocollect from checkout ``tree``, measured in a child process (same settings as ours)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_tree-child", delivery, "--seconds", str(args.seconds),
            "--warmup", str(args.warmup), "--workers", str(args.workers), "--envs-per-worker",
-           str(args.envs_per_worker), "--frames-per-batch", str(args.frames_per_batch)]  # fmt: skip
+           str(args.envs_per_worker), "--frames-per-batch", str(args.frames_per_batch),
+           "--lag-seconds", str(args.lag_seconds)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.seconds * 10 + 120)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -559,6 +558,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="aiocollect's consumer waits this long after each batch (a trainer off the CPUs; default 0)",
     )
+    p.add_argument(
+        "--lag-seconds",
+        type=float,
+        default=2.0,
+        help="aiocollect: the event-loop lag's window, after the throughput's (default 2 s)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
         "--skip-baselines",
@@ -654,7 +659,7 @@ def main(args: argparse.Namespace) -> int:
                 key = f"aiocollect_{delivery}" + ("" if tree == ours else "_compared")
                 stages.append(
                     Stage(key, f"aiocollect {delivery} ({label})",
-                          f'aiocollect delivery="{delivery}" from {tree} (child process, 1 ms ticker on its loop)',
+                          f'aiocollect delivery="{delivery}" from {tree} (child process; then the loop lag)',
                           functools.partial(run_tree, args, tree, delivery, f"aiocollect {delivery} ({label})"))
                 )  # fmt: skip
     elif collector_cls is not None:
@@ -664,7 +669,7 @@ def main(args: argparse.Namespace) -> int:
                 stages.append(
                     Stage(f"aiocollect_{delivery}" + ("" if prefetch is None else f"_prefetch{prefetch}"),
                           f"aiocollect {delivery}{tail}",
-                          f'aiocollect delivery="{delivery}"{tail} (with a 1 ms ticker on the loop)',
+                          f'aiocollect delivery="{delivery}"{tail} (then the loop lag, with a 1 ms ticker)',
                           functools.partial(run_aiocollect, args, policy, collector_cls, delivery, prefetch))
                 )  # fmt: skip
     stages.append(
