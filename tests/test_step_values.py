@@ -72,3 +72,22 @@ def test_python_ints_of_a_discrete_space_and_an_out_of_range_one():
     u8 = Leaf(("observation",), (), "uint8")
     with pytest.raises(SpecError, match="env 12's observation"):
         _write(_values(leaf=u8, space=spaces.Discrete(5)), [np.uint8(1), np.uint8(2), 300], dtype=np.uint8, shape=())
+
+
+PIXELS = spaces.Box(0, 255, (64, 64, 3), np.uint8)  # (12 KB: written env by env, not stacked first)
+
+
+def test_large_observations_are_written_env_by_env_exactly_and_checked_alike():
+    leaf = Leaf(("pixels",), (64, 64, 3), "uint8")
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
+    values = _values(leaf=leaf, space=PIXELS)
+    assert not values.stack
+    nxt, rew, term, trunc, flags = _write(values, frames, dtype=np.uint8, shape=(64, 64, 3))
+    np.testing.assert_array_equal(nxt, np.stack(frames))
+    assert trunc.tolist() == [False, True, False]
+    # another dtype among them: stored by the leaf's rule; another shape: refused, naming the env
+    nxt, *_ = _write(values, [frames[0], frames[1].astype(np.int64), frames[2]], dtype=np.uint8, shape=(64, 64, 3))
+    np.testing.assert_array_equal(nxt[1], frames[1])
+    with pytest.raises(SpecError, match=r"env 12's observation for key 'pixels' has shape \(64, 64\)"):
+        _write(values, [frames[0], frames[1], frames[2][..., 0]], dtype=np.uint8, shape=(64, 64, 3))

@@ -17,6 +17,9 @@ from .._core.errors import SpecError
 from .._core.layout import Leaf
 
 
+_STACK_BELOW_BYTES = 4096  # an observation of this size or more is not stacked (see StepValues.observations)
+
+
 class StepValues:
     """Writes and checks one step's values of the rows ``env_ids`` (global env ids, in row
     order), whose observation leaves are ``obs_leaves`` (of the spaces ``obs_spaces``).
@@ -30,6 +33,8 @@ class StepValues:
         self.leaf0, self.space0 = obs_leaves[0], obs_spaces[0]
         self.dtype0, self.shape0 = self.leaf0.np_dtype, self.leaf0.shape
         self.rows_shape0 = (len(env_ids),) + tuple(self.shape0)  # (one step's observations, stacked)
+        # large observations (pixels) go in env by env: a stack first would copy each frame twice
+        self.stack = self.dtype0.itemsize * int(np.prod(self.shape0, dtype=np.int64)) < _STACK_BELOW_BYTES
 
     def write(
         self, results: list[tuple], next0: np.ndarray, rew_t: np.ndarray, term_t: np.ndarray, trunc_t: np.ndarray,
@@ -48,15 +53,18 @@ class StepValues:
         """One step's ``results`` (what each env's ``step`` returned): the observations into
         ``next0``; returns the rewards and both flags, as the envs returned them.
 
-        The observations are stacked by one ``np.array`` call and written as they are where the
+        Small observations are stacked by one ``np.array`` call and written as they are where the
         stack has the leaf's own dtype and shape: then no value was cast, so none needs a check
-        (a look at each env's array costs more than the stacking)."""
+        (a look at each env's array costs more than the stacking). Large ones (from
+        ``_STACK_BELOW_BYTES``) are written env by env, each looked at: the copy is the cost there."""
         obs_l, rew_l, term_l, trunc_l, _ = zip(*results)
         dtype0, shape0 = self.dtype0, self.shape0
-        try:
-            stacked = np.array(obs_l)
-        except (TypeError, ValueError, OverflowError):  # (ragged, or not numbers: each checked below, with its message)
-            stacked = None
+        stacked = None
+        if self.stack:
+            try:
+                stacked = np.array(obs_l)
+            except (TypeError, ValueError, OverflowError):  # (ragged, or not numbers: each checked below, with its message)
+                pass
         if stacked is not None and stacked.dtype is dtype0 and stacked.shape == self.rows_shape0:
             next0[...] = stacked
         else:
