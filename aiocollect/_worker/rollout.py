@@ -253,7 +253,7 @@ class Rollout:
         versions = np.full(T, version, np.int64)  # per step (server inference: per forward pass)
         ends: list[tuple[int, np.ndarray]] = []  # (step of the batch, rows) for each step where episodes ended
         if self._plain():
-            yield from self._plain_steps(frames, ends, versions)
+            yield from self._plain_steps(stage, frames, ends, versions)
             np.logical_or(stage.term, stage.trunc, out=stage.done)  # (every step's episode ends, at once)
             self._end_batch(views, stage, versions, ends, None)
             return
@@ -311,7 +311,9 @@ class Rollout:
             and getattr(self.runner, "is_init", None) is None
         )
 
-    def _plain_steps(self, frames: list[tuple], ends: list[tuple[int, np.ndarray]], versions: np.ndarray) -> Iterator[None]:
+    def _plain_steps(
+        self, stage: Staging, frames: list[tuple], ends: list[tuple[int, np.ndarray]], versions: np.ndarray,
+    ) -> Iterator[None]:
         """The steps of :meth:`fill` where :meth:`_plain` holds: what :meth:`_step_envs` and
         :meth:`_end_step` do for that case, in one loop of local names, with
         no option looked at that the case does not have. What no step reads waits for the end
@@ -319,49 +321,40 @@ class Rollout:
         the flags of the steps where no episode ended (all zeros: written only where one did) and
         their ``done`` (one numpy call for all steps). At 8 CartPole envs the rollout's own work
         is about a seventh of a step: each call and each numpy call of it counts."""
-        runner, envs, T = self.runner, self.envs, len(frames)
-        act, remote, ahead = runner.act, runner.remote, self.cfg.ahead
-        values, after_ends, clock = self.values, self._after_ends, time.perf_counter
-        observations, rewards, flags = values.observations, values.rewards, values.flags
-        record, ep_start = self._record_actions, self.trajs.ep_start
-        stage = self._stage
-        assert stage is not None
-        stage.term.fill(False)
-        stage.trunc.fill(False)
-        # one action leaf and no extras (most policies): the action written here, not by record
-        act0 = len(self.act_leaves) == 1 and not self.extra_leaves and not self.takes_arrays
+        runner, envs, T, record, ep_start = self.runner, self.envs, len(frames), self._record_actions, self.trajs.ep_start
+        act, remote, ahead, after_ends, clock = runner.act, runner.remote, self.cfg.ahead, self._after_ends, time.perf_counter
+        observations, rewards, flags = self.values.observations, self.values.rewards, self.values.flags
+        stage.term[...], stage.trunc[...] = False, False
+        act0 = len(self.act_leaves) == 1 and not self.extra_leaves and not self.takes_arrays  # (written here)
         rews: list[Any] = []  # per step: its rewards (into the stage's at the end)
         policy_time = 0.0
         t_start = clock()
-        try:
-            for t, (obs_t, act_t, extra_t, nxt, cur, _, term_t, trunc_t, _) in enumerate(frames):
-                t_policy = clock()
-                env_actions, act_arrays, extras = act(obs_t)
-                policy_time += clock() - t_policy
-                if remote:  # (the version of the server's forward pass for this step)
-                    versions[t] = runner.version
-                if act0:
-                    act_t[0][...] = act_arrays[0]
-                else:
-                    env_actions = record(act_t, extra_t, env_actions, act_arrays, extras, False)
-                next0 = nxt[0]
-                rew_l, term_l, trunc_l = observations([env.step(action) for env, action in zip(envs, env_actions)], next0)
-                rews.append(rewards(rew_l))
-                cur[0][...] = next0
-                if True in term_l or True in trunc_l:  # (a look at the Python flags: cheaper than numpy's)
-                    flags(term_l, trunc_l, term_t, trunc_t)
-                    ended = term_t | trunc_t
-                    rows = ended.nonzero()[0]
-                    ends.append((t, rows))
-                    after_ends(rows, ended, None, [], nxt, cur)
-                    ep_start[rows] = self.steps + 1
-                self.steps += 1
-                if ahead and t + 1 < T:
-                    runner.ahead(cur)  # (worker_groups: computed while the other group steps)
-                yield
-        finally:  # (a batch stopped part-way, by an error or a stop request, keeps the rewards it had)
-            if rews:
-                stage.rew[: len(rews)] = rews
+        for t, (obs_t, act_t, extra_t, nxt, cur, _, term_t, trunc_t, _) in enumerate(frames):
+            t_policy = clock()
+            env_actions, act_arrays, extras = act(obs_t)
+            policy_time += clock() - t_policy
+            if remote:  # (the version of the server's forward pass for this step)
+                versions[t] = runner.version
+            if act0:  # (one action leaf and no extras, as most policies: no call to record)
+                act_t[0][...] = act_arrays[0]
+            else:
+                env_actions = record(act_t, extra_t, env_actions, act_arrays, extras, False)
+            next0 = nxt[0]
+            rew_l, term_l, trunc_l = observations([env.step(action) for env, action in zip(envs, env_actions)], next0)
+            rews.append(rewards(rew_l))
+            cur[0][...] = next0
+            if True in term_l or True in trunc_l:  # (a look at the Python flags: cheaper than numpy's)
+                flags(term_l, trunc_l, term_t, trunc_t)
+                ended = term_t | trunc_t
+                rows = ended.nonzero()[0]
+                ends.append((t, rows))
+                after_ends(rows, ended, None, [], nxt, cur)
+                ep_start[rows] = self.steps + 1
+            self.steps += 1
+            if ahead and t + 1 < T:
+                runner.ahead(cur)  # (worker_groups: computed while the other group steps)
+            yield
+        stage.rew[:] = rews
         self.timing = {"env": clock() - t_start - policy_time, "policy": policy_time}
 
     def _begin_batch(self, views: dict[Key, np.ndarray]) -> tuple[Staging, list[tuple]]:
