@@ -710,6 +710,30 @@ def _boom(env):
     raise KeyError("no such level")
 
 
+async def test_actors_at_a_lower_priority_than_this_process_are_told_once_with_the_fix(caplog, monkeypatch):
+    """Ray's own ``ray.init`` starts actors at niceness 15, where a busy training loop on the same
+    machine starves them: a collector says so once, naming ``RAY_worker_niceness=0``. The tests'
+    Ray runs them at niceness 0: no such line."""
+    import logging
+
+    from aiocollect._backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "_niced_warned", False)
+    with anyio.fail_after(90), caplog.at_level(logging.WARNING, logger="aiocollect"):
+        async with Collector("CartPole-v1", None, frames_per_batch=16, num_workers=1, envs_per_worker=1,
+                             backend="ray") as c:
+            pid = seen(c)[0]
+            await c.collect()
+            assert not [r for r in caplog.records if "niceness" in r.getMessage()]
+            os.setpriority(os.PRIO_PROCESS, pid, 10)  # (as Ray's own start would have it, at 15)
+            workers = c._run.shared.pool.workers
+            ray_backend._warn_if_niced(workers)
+            ray_backend._warn_if_niced(workers)
+    lines = [r.getMessage() for r in caplog.records if "niceness" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "1 of 1 Ray actors on this machine run at niceness 10" in lines[0] and "RAY_worker_niceness=0" in lines[0]
+
+
 async def _until_dead(pid: int) -> None:
     """Until a local actor's process has exited (gone, or a zombie not yet reaped)."""
     with anyio.fail_after(30):

@@ -588,7 +588,39 @@ async def start_ray_workers(configs: list[RolloutConfig], options: list[dict]) -
                     starting.start_soon(handshake, w)
             tg.cancel_scope.cancel()
         log.debug("aiocollect: %d Ray actors ready in %.1f s", len(workers), time.perf_counter() - t0)
+        _warn_if_niced(workers)
         return workers, [w.spec for w in workers]  # type: ignore[misc]
+
+
+_niced_warned = False
+
+
+def _warn_if_niced(workers: list[RayWorker]) -> None:
+    """Once a process: actors on this node that run at a lower priority than this process (Ray
+    starts its workers at niceness 15 unless ``RAY_worker_niceness`` says otherwise) are said on
+    the ``aiocollect`` logger, with the fix: beside a busy training loop they get what it leaves."""
+    global _niced_warned
+    if _niced_warned:
+        return
+    node, ours = _this_node(), os.getpriority(os.PRIO_PROCESS, 0)
+    niced = []
+    for w in workers:
+        if w.node != node or not w.actor_pid:
+            continue
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, w.actor_pid)
+        except OSError:  # (gone already, or not ours to look at)
+            continue
+        if nice > ours:
+            niced.append((w.index, nice))
+    if niced:
+        _niced_warned = True
+        log.warning(
+            "aiocollect: %d of %d Ray actors on this machine run at niceness %d (this process: %d): a busy "
+            "training loop here takes the CPUs before them. Set RAY_worker_niceness=0 in the environment before "
+            "ray.init() (or let the collector start Ray, which does)", len(niced), len(workers), max(n for _, n in niced),
+            ours,
+        )
 
 
 _SLOW_START = 20.0  # seconds after which actors not yet up are logged (Ray may lack their resources)
