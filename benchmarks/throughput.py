@@ -41,7 +41,7 @@ Also measured:
   and records ``actual_elapsed - 0.001``; p50/p99/max over ``--lag-seconds`` (default 2) right after each
   aiocollect throughput window, with the same collector still collecting. Not during the throughput
   window: the limit runs no ticker, and on a machine with no core to spare its 1,000 wake-ups a second
-  preempt the workers (on 2 cores that took 5-12% of aiocollect's frames per CPU-second). The same
+  preempt the workers (on 2 cores that took 3-10% of aiocollect's frames per CPU-second). The same
   ticker on the idle loop just before the collector starts is printed for reference (uvloop timers
   have 1 ms resolution).
 * **Collector() -> first batch**, in a fresh subprocess (nothing pre-imported or pre-started): from just

@@ -603,7 +603,7 @@ def _warn_if_niced(workers: list[RayWorker]) -> None:
     if _niced_warned:
         return
     node, ours = _this_node(), os.getpriority(os.PRIO_PROCESS, 0)
-    niced = []
+    niced = []  # the niceness of each actor here that runs below this process
     for w in workers:
         if w.node != node or not w.actor_pid:
             continue
@@ -612,14 +612,13 @@ def _warn_if_niced(workers: list[RayWorker]) -> None:
         except OSError:  # (gone already, or not ours to look at)
             continue
         if nice > ours:
-            niced.append((w.index, nice))
+            niced.append(nice)
     if niced:
         _niced_warned = True
         log.warning(
             "aiocollect: %d of %d Ray actors on this machine run at niceness %d (this process: %d): a busy "
             "training loop here takes the CPUs before them. Set RAY_worker_niceness=0 in the environment before "
-            "ray.init() (or let the collector start Ray, which does)", len(niced), len(workers), max(n for _, n in niced),
-            ours,
+            "ray.init() (or let the collector start Ray, which does)", len(niced), len(workers), max(niced), ours,
         )
 
 
