@@ -287,15 +287,20 @@ async def test_updates_before_the_first_batch_and_from_another_task():
     assert int(batches[-1]["collector", "policy_version"].max()) > 1
 
 
+@pytest.mark.timeout(150)
 async def test_compile_policy_runs_the_compiled_policy_from_the_start():
     """compile_policy={"backend": "eager"} (torch.compile's compiler-free backend: this machine
     need not have a C++ compiler): warmed up before collection for every number of rows a pass
     can have, and the frames are those of the plain policy."""
     calls = []
 
+    @torch.compiler.disable
+    def record(rows: int) -> None:  # (outside the graph: traced, the list's length is a guard, and
+        calls.append(rows)  # every call recompiled)
+
     class Counting(Greedy):
         def forward(self, observation):
-            calls.append(observation.shape[0])
+            record(observation.shape[0])
             return super().forward(observation)
 
     torch.manual_seed(0)

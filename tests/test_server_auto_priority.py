@@ -29,6 +29,11 @@ CROWDING = max(1, len(ALLOWED) - 1)
 needs_few_cpus = pytest.mark.skipif(len(ALLOWED) > 4, reason="crowding this machine takes too many workers")
 
 
+def fell_back(caplog: pytest.LogCaptureFixture) -> bool:
+    """Whether the server's thread said it went back to normal priority (it says so first)."""
+    return any("normal priority from now on" in r.getMessage() for r in caplog.records)
+
+
 def server_thread() -> threading.Thread:
     (thread,) = [t for t in threading.enumerate() if t.name == "aiocollect inference server"]
     return thread
@@ -65,16 +70,20 @@ def test_auto_is_the_default_and_decides_from_the_cpus_of_this_process():
 
 @needs_few_cpus
 @pytest.mark.timeout(120)
-async def test_by_default_a_crowded_machine_gets_an_idle_server_and_workers_off_the_first_cpu():
+async def test_by_default_a_crowded_machine_gets_an_idle_server_and_workers_off_the_first_cpu(caplog):
     """Default options, server inference, more busy threads than CPUs: the server's thread (only
     it) runs under SCHED_IDLE, every thread of every worker runs on every CPU of this process but
-    the first (where it has two or more), and this process keeps all of its CPUs."""
+    the first (where it has two or more), and this process keeps all of its CPUs. (On a machine
+    busy with other work the idle thread may starve and go back to normal priority, as the next
+    test makes it do: only then, and only with the line that says so, is it found at normal.)"""
+    caplog.set_level(logging.INFO, logger="aiocollect")
     with anyio.fail_after(90):
         async with Collector("CartPole-v1", Greedy(), frames_per_batch=CROWDING * 4 * 8, total_frames=CROWDING * 4 * 8 * 2,
                              num_workers=CROWDING, envs_per_worker=4, inference="server", seed=0) as c:
             async for batch in c:
                 check_batch(batch)
-                assert os.sched_getscheduler(server_thread().native_id) == os.SCHED_IDLE
+                policy = os.sched_getscheduler(server_thread().native_id)
+                assert policy == os.SCHED_IDLE or (policy == os.SCHED_OTHER and fell_back(caplog)), policy
                 assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
                 if len(ALLOWED) > 1:
                     for pid in c.worker_pids:
@@ -105,10 +114,12 @@ async def test_a_starved_auto_server_goes_back_to_normal_priority_without_a_warn
                 it = aiter(c)
                 check_batch(await anext(it))
                 tid = server_thread().native_id
-                assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+                # idle; already back at normal (saying so) only where other work keeps this machine busy
+                policy = os.sched_getscheduler(tid)
+                assert policy == os.SCHED_IDLE or (policy == os.SCHED_OTHER and fell_back(caplog)), policy
                 for t in trainers:
                     t.start()
-                while not [r for r in caplog.records if "normal priority from now on" in r.getMessage()]:
+                while not fell_back(caplog):
                     check_batch(await anext(it))
                 assert os.sched_getscheduler(tid) == os.SCHED_OTHER
                 for _ in range(3):

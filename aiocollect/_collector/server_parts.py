@@ -122,12 +122,12 @@ class StarvationWatch:
         share = (waited - self.wait0) / (now - self.t0)
         if share > self.SHARE and self.fall_back:
             self.close()
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            log.info(
+            log.info(  # (said first: whoever finds the thread at normal priority finds the line too)
                 "aiocollect: the inference server's thread (server_priority='auto': SCHED_IDLE) waited for a CPU %.0f%% "
                 "of the last %.0f s; it runs at normal priority from now on, so that collection is not held back by "
                 "this machine's busy cores", share * 100, now - self.t0,
             )
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
             return
         if share > self.SHARE:
             self.close()
