@@ -418,10 +418,13 @@ def signal_all(pids: Any, sig: int) -> None:
 
 @dataclass
 class Slices:
-    """Frames and seconds of each turn of a sliced comparison: the limit's and the setup's."""
+    """Frames and seconds of each turn of a sliced comparison, the limit's and the setup's, and
+    the CPU-seconds this benchmark's processes used in each (empty without /proc)."""
 
     limit: list[tuple[int, float]] = field(default_factory=list)
     setup: list[tuple[int, float]] = field(default_factory=list)
+    limit_cpu: list[float] = field(default_factory=list)
+    setup_cpu: list[float] = field(default_factory=list)
 
     def fps(self, which: str) -> float:
         turns = getattr(self, which)
@@ -430,6 +433,15 @@ class Slices:
     def ratio(self) -> float:
         """Setup over limit, over all turns."""
         return self.fps("setup") / self.fps("limit")
+
+    def per_core(self) -> float | None:
+        """Frames per CPU-second of the setup (its workers and this process, the collector and its
+        consumer) over the limit's, over all turns: what the setup's own work costs, whether or
+        not it kept every core busy. ``None`` without CPU figures."""
+        limit_cpu, setup_cpu = sum(self.limit_cpu), sum(self.setup_cpu)
+        if limit_cpu <= 0 or setup_cpu <= 0:
+            return None
+        return (sum(f for f, _ in self.setup) / setup_cpu) / (sum(f for f, _ in self.limit) / limit_cpu)
 
     def pair_ratios(self) -> list[float]:
         return [(f / s) / (lf / ls) for (f, s), (lf, ls) in zip(self.setup, self.limit)]
@@ -446,20 +458,31 @@ class Slices:
 def report_slices(rows: list[tuple[str, Slices, int, int]], width: int) -> dict[str, Any]:
     """Print one line per setup of a sliced comparison, ``(name, slices, batches copied, batches
     delivered)``, under a header; returns the figures by name."""
-    head = ("limit f/s", "setup f/s", "ratio", "turn ratios min / median / max", "limit drift", "copied batches")
+    head = ("limit f/s", "setup f/s", "ratio", "per-core", "turn ratios min / median / max", "limit drift",
+            "copied batches")
     log(f"{'setup':<{width}}" + "".join(f"  {h}" for h in head))
     out = {}
     for name, slices, copied, batches in rows:
         pairs = sorted(slices.pair_ratios())
+        per_core = slices.per_core()
         cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
+                 "n/a" if per_core is None else f"{per_core:.2f}",
                  f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
                  f"{copied} of {batches}")
         log(f"{name:<{width}}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
         out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
-                     "turn_ratios": pairs, "limit_drift": slices.limit_drift(), "batches_copied": copied,
-                     "batches": batches}
-    log("limit drift: how much the limit's first and last thirds of turns differ")
+                     "per_core": per_core, "turn_ratios": pairs, "limit_drift": slices.limit_drift(),
+                     "batches_copied": copied, "batches": batches}
+    log("ratio: frames/s over the limit's in the turns; per-core: frames per CPU-second (workers and the "
+        "collector's\n  process) over the limit's; limit drift: how much the limit's first and last thirds "
+        "of turns differ")
     return out
+
+
+def _tree_cpu() -> float | None:
+    """CPU-seconds used so far by this process and its descendants alive now (None without /proc)."""
+    snap = cpu_snapshot()
+    return None if snap is None else sum(snap.ours.values())
 
 
 async def alternate(limit: LimitPool, setup_pids: Any, delivered: Any, turns: int, turn_s: float) -> Slices:
@@ -468,7 +491,9 @@ async def alternate(limit: LimitPool, setup_pids: Any, delivered: Any, turns: in
     frames the setup has delivered so far; its frames are those delivered from the start of its
     first turn to the end of its last (what is in flight at a turn's end is delivered in the next
     one, so its turns are summed, not taken one by one: the count is off by at most the batches
-    in flight, once)."""
+    in flight, once). The CPU time of this process tree is read between turns, while both sides
+    are stopped: what it used in a turn is that side's (this process's, mostly asleep in the
+    limit's turns, included)."""
     import anyio
 
     out = Slices()
@@ -477,23 +502,55 @@ async def alternate(limit: LimitPool, setup_pids: Any, delivered: Any, turns: in
     seconds: list[float] = []
     try:
         for _ in range(turns):
+            c0 = _tree_cpu()
             f0, t0 = limit.frames(), time.perf_counter()
             limit.resume()
             await anyio.sleep(turn_s)
             limit.pause()
             out.limit.append((limit.frames() - f0, time.perf_counter() - t0))
+            c1 = _tree_cpu()
             counts.append(delivered())
             t0 = time.perf_counter()
             signal_all(setup_pids, signal.SIGCONT)
             await anyio.sleep(turn_s)
             signal_all(setup_pids, signal.SIGSTOP)
             seconds.append(time.perf_counter() - t0)
+            c2 = _tree_cpu()
+            if c0 is not None and c1 is not None and c2 is not None:
+                out.limit_cpu.append(c1 - c0)
+                out.setup_cpu.append(c2 - c1)
         await anyio.sleep(0.3)  # batches completed in the last turn reach the consumer
         counts.append(delivered())
     finally:
         signal_all(setup_pids, signal.SIGCONT)
     out.setup = [(b - a, s) for a, b, s in zip(counts, counts[1:], seconds)]
     return out
+
+
+async def collect_taking_turns(collector: Any, limit: LimitPool, warmup: float, turns: int,
+                               turn_s: float) -> tuple[Slices, int, int]:
+    """Consume the open ``collector`` (``async for``, each batch dropped when the next one comes,
+    as a training loop does) while it takes turns with ``limit`` (:func:`alternate`), after its
+    first batch and ``warmup`` seconds alone. Returns the turns, the batches the collector
+    copied and the batches it delivered."""
+    import anyio
+
+    delivered = 0
+
+    async def consume() -> None:
+        nonlocal delivered
+        async for batch in collector:
+            delivered += batch.numel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        while delivered == 0:
+            await anyio.sleep(0.05)
+        await anyio.sleep(warmup)  # the setup alone; the limit's processes are stopped
+        slices = await alternate(limit, collector.worker_pids, lambda: delivered, turns, turn_s)
+        stats = collector.stats()
+        tg.cancel_scope.cancel()
+    return slices, stats.batches_copied, stats.batches
 
 
 def run_limit_processes(

@@ -67,7 +67,7 @@ from _util import (  # noqa: E402
     Meter,
     Result,
     Slices,
-    alternate,
+    collect_taking_turns,
     report_slices,
     become_subreaper,
     child_signals,
@@ -225,31 +225,14 @@ def run_aiocollect(args: argparse.Namespace, obs: str, delivery: str, zero_copy:
 
 async def _collect_sliced(args: argparse.Namespace, obs: str, delivery: str, zero_copy: bool,
                           limit: LimitPool) -> tuple[Slices, int, int]:
-    import anyio
-
     from aiocollect import Collector
 
-    delivered = 0
     async with Collector(
         functools.partial(make_pong, obs), None, frames_per_batch=args.frames_per_batch, total_frames=-1,
         num_workers=args.workers, envs_per_worker=args.envs_per_worker, delivery=delivery, seed=SEED,
         zero_copy=zero_copy, **({} if args.prefetch is None else {"prefetch": args.prefetch}),
     ) as collector:
-
-        async def consume() -> None:
-            nonlocal delivered
-            async for batch in collector:  # (the batch is dropped when the next one comes, as in training)
-                delivered += batch.numel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            while delivered == 0:
-                await anyio.sleep(0.05)
-            await anyio.sleep(args.warmup)  # the setup alone; the limit's processes are stopped
-            slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
-            stats = collector.stats()
-            tg.cancel_scope.cancel()
-    return slices, stats.batches_copied, stats.batches
+        return await collect_taking_turns(collector, limit, args.warmup, args.turns, args.turn_seconds)
 
 
 def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:

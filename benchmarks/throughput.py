@@ -85,16 +85,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py besid
 from _util import (
     ArgmaxMLP,
     MP_HELPERS,
+    LimitPool,
     Meter,
     Result,
     become_subreaper,
     child_signals,
+    collect_taking_turns,
     descendants,
     log,
     machine,
     machine_line,
     percentiles_ms,
     reap,
+    report_slices,
     run_limit_processes,
     sigterm_as_interrupt,
 )
@@ -346,6 +349,51 @@ def run_aiocollect(
     return result
 
 
+# --sliced: each aiocollect setup takes turns with the limit on the same cores
+
+
+async def _collect_sliced(collector_cls: Any, policy: ArgmaxMLP, args: argparse.Namespace, delivery: str,
+                          prefetch: int | None, limit: LimitPool) -> Any:
+    async with collector_cls(
+        ENV_ID, policy, frames_per_batch=args.frames_per_batch, total_frames=-1, num_workers=args.workers,
+        envs_per_worker=args.envs_per_worker, delivery=delivery, **({} if prefetch is None else {"prefetch": prefetch}),
+    ) as collector:
+        return await collect_taking_turns(collector, limit, args.warmup, args.turns, args.turn_seconds)
+
+
+def run_sliced(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any) -> dict[str, Any]:
+    """Each aiocollect setup (delivery x ``--prefetch``) takes turns with the limit's processes
+    (``--turns`` turns of ``--turn-seconds``, the other side stopped), so that both see the same
+    machine: its ratio and per-core ratio over all turns."""
+    import anyio
+
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    rows = []
+    with LimitPool(_limit_worker, lambda rank: (rank, args.envs_per_worker, state), args.workers) as limit:
+        keep = frozenset(p.pid for p in limit.procs)
+        for delivery in ("sync", "async"):
+            for prefetch in args.prefetch:
+                name = f"aiocollect {delivery}" + ("" if prefetch is None else f" prefetch={prefetch}")
+                log(f"{name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
+                try:
+                    slices, copied, batches = anyio.run(_collect_sliced, collector_cls, policy, args, delivery,
+                                                        prefetch, limit, backend_options={"use_uvloop": True})
+                except Exception as exc:  # noqa: BLE001 - one failing setup must not hide the others
+                    log(f"  -> FAILED: {_describe(exc)}")
+                    continue
+                finally:
+                    _shutdown_aiocollect_launcher()
+                    reap(name, baseline=keep)
+                per_core = slices.per_core()
+                log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: "
+                    f"{slices.ratio():.2f}" + ("" if per_core is None else f" (per core {per_core:.2f})"))
+                rows.append((name, slices, copied, batches))
+    log("")
+    log(f"{args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch; each setup "
+        f"took {args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
+    return report_slices(rows, 36)
+
+
 # one tree's aiocollect in a child process (--compare-with): the child runs this file with
 # --_tree-child DELIVERY, PYTHONPATH=TREE, and prints its Result as one JSON line
 
@@ -564,6 +612,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2.0,
         help="aiocollect: the event-loop lag's window, after the throughput's (default 2 s)",
     )
+    p.add_argument(
+        "--sliced",
+        action="store_true",
+        help="aiocollect's setups take turns with the limit on the same cores (the other side stopped with "
+        "SIGSTOP), so that a drift of the machine's speed hits both alike; no baselines, loop lag or start-up",
+    )
+    p.add_argument("--turns", type=int, default=8, help="--sliced: turns of each side per setup (default 8)")
+    p.add_argument("--turn-seconds", type=float, default=2.0, help="--sliced: seconds per turn (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
         "--skip-baselines",
@@ -585,6 +641,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--_ttfb-child", action="store_true", dest="ttfb_child", help=argparse.SUPPRESS)
     p.add_argument("--_tree-child", choices=("sync", "async"), dest="tree_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.sliced and args.compare_with:
+        p.error("--sliced and --compare-with do not go together: compare two trees with benchmarks/compare_trees.py "
+                "-- benchmarks/throughput.py --sliced ...")
     n = args.workers * args.envs_per_worker
     if args.workers < 1 or args.envs_per_worker < 1 or args.frames_per_batch % n:
         p.error(f"--frames-per-batch ({args.frames_per_batch}) must be a multiple of workers x envs-per-worker ({n})")
@@ -636,6 +695,20 @@ def main(args: argparse.Namespace) -> int:
         f"after {args.warmup:g} s warm-up"
     )
     log(machine_line(machine()))
+    if args.sliced:
+        if collector_cls is None:
+            log(f"aiocollect: {aiocollect_missing}")
+            return 1
+        sliced = run_sliced(args, policy, collector_cls)
+        if args.json:
+            _write_json(args.json, {
+                "benchmark": "throughput", "sliced": True, "env": ENV_ID, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **machine(), "args": {k: v for k, v in vars(args).items() if k not in ("ttfb_child", "tree_child")},
+                "results": sliced,
+                "per_core": {name: {"name": f"{name}, per core", "ratio": r["per_core"]}
+                             for name, r in sliced.items() if r["per_core"] is not None},
+            })  # fmt: skip
+        return 0
 
     limit_name = f"limit ({args.workers} procs x {args.envs_per_worker} envs)"
     limit_title = f"limit: {args.workers} independent processes x {args.envs_per_worker} envs"
@@ -774,11 +847,15 @@ def main(args: argparse.Namespace) -> int:
             "time_to_first_batch": ttfb,
             "leftover_processes": leftovers,
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-        log(f"results written to {args.json}")
+        _write_json(args.json, payload)
     return 0
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    log(f"results written to {path}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from _util import (  # noqa: E402
     reap,
     run_limit_processes,
     Slices,
-    alternate,
+    collect_taking_turns,
     report_slices,
     sigterm_as_interrupt,
 )
@@ -185,28 +185,11 @@ def run_aiocollect(name: str, make: Any, policy: nn.Module, args: argparse.Names
 
 async def _collect_sliced(make: Any, policy: nn.Module, args: argparse.Namespace, rows: int, zero_copy: bool,
                           limit: LimitPool) -> tuple[Slices, int, int]:
-    import anyio
-
     from aiocollect import Collector
 
-    delivered = 0
     async with Collector(make, policy, frames_per_batch=args.workers * rows * args.steps, num_workers=args.workers,
                          seed=SEED, zero_copy=zero_copy, delivery=args.delivery) as collector:
-
-        async def consume() -> None:
-            nonlocal delivered
-            async for batch in collector:
-                delivered += batch.numel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            while delivered == 0:
-                await anyio.sleep(0.05)
-            await anyio.sleep(args.warmup)
-            slices = await alternate(limit, collector.worker_pids, lambda: delivered, args.turns, args.turn_seconds)
-            stats = collector.stats()
-            tg.cancel_scope.cancel()
-    return slices, stats.batches_copied, stats.batches
+        return await collect_taking_turns(collector, limit, args.warmup, args.turns, args.turn_seconds)
 
 
 def run_sliced(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:

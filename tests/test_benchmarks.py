@@ -183,6 +183,25 @@ def test_throughput_benchmark_measures_each_prefetch_side_by_side():
             assert re.search(rf"^aiocollect {delivery} prefetch={prefetch}\s+[\d,]+\s+[\d.]+", out, re.M), out
 
 
+@pytest.mark.timeout(300)
+def test_sliced_throughput_reports_ratio_and_per_core_ratio_of_each_setup(tmp_path):
+    """benchmarks/throughput.py --sliced at a tiny scale: each delivery takes turns with the limit
+    (SIGSTOP and SIGCONT), a row each with both rates, the ratio and the per-core ratio (frames per
+    CPU-second of its processes over the limit's), the same in its JSON in the form compare_trees.py
+    reads, and no process left."""
+    path = tmp_path / "sliced.json"
+    out = run_script("throughput.py", "--sliced", "--turns", "2", "--turn-seconds", "0.3", "--warmup", "0.1",
+                     "--workers", "1", "--envs-per-worker", "2", "--frames-per-batch", "64", "--json", str(path),
+                     timeout=280)
+    for delivery in ("sync", "async"):
+        assert re.search(rf"^aiocollect {delivery}\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ / ", out, re.M), out
+    assert "still running" not in out, out
+    data = json.loads(path.read_text())
+    assert set(data["results"]) == {"aiocollect sync", "aiocollect async"}
+    assert all(r["ratio"] > 0 and r["per_core"] > 0 for r in data["results"].values())
+    assert {r["name"] for r in data["per_core"].values()} == {"aiocollect sync, per core", "aiocollect async, per core"}
+
+
 @pytest.mark.timeout(240)
 def test_step_cost_benchmark_times_the_rollout_against_the_limit(tmp_path):
     """benchmarks/step_cost.py at a tiny scale: a row per setup (CartPole and the no-op env, at
