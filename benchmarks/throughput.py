@@ -54,10 +54,17 @@ Run (the default run takes about a minute; the machine's noise matters, read rat
     bash scripts/run.sh bench [--seconds 4] [--json benchmarks/results/throughput.json]
     .venv/bin/python benchmarks/throughput.py --help
 
+With ``--sliced`` each aiocollect setup instead takes turns with the limit on the same cores
+(``--turns`` turns of ``--turn-seconds`` each; while one side runs, the other's processes are
+stopped with SIGSTOP), so that a drift of the machine's speed hits both alike: per setup, both rates
+over all turns, their ratio, the per-core ratio (from the CPU time read between turns, both sides
+stopped), the spread of the per-turn ratios and the limit's drift. No baselines, loop lag or time to
+first batch in that mode.
+
 Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
 section that leaves processes behind is reported with a warning and they are terminated. Options:
 ``--seconds``, ``--warmup``, ``--workers``, ``--envs-per-worker``, ``--frames-per-batch``, ``--prefetch``, ``--train-ms``,
-``--lag-seconds``, ``--json PATH``,
+``--lag-seconds``, ``--sliced``, ``--turns``, ``--turn-seconds``, ``--json PATH``,
 ``--skip-baselines`` (gymnasium and TorchRL; the limit always runs), ``--skip-aiocollect``.
 """
 
@@ -691,8 +698,9 @@ def main(args: argparse.Namespace) -> int:
     n = args.workers * args.envs_per_worker
     log(
         f"aiocollect throughput benchmark: {ENV_ID}, ArgmaxMLP 4-64-2, {args.workers} workers x "
-        f"{args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, {args.seconds:g} s per setup "
-        f"after {args.warmup:g} s warm-up"
+        f"{args.envs_per_worker} envs, {args.frames_per_batch} frames/batch, "
+        + (f"{args.turns} turns of {args.turn_seconds:g} s per setup, taking turns with the limit" if args.sliced
+           else f"{args.seconds:g} s per setup after {args.warmup:g} s warm-up")
     )
     log(machine_line(machine()))
     if args.sliced:
