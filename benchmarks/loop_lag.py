@@ -10,7 +10,9 @@ is that wait was the kernel's scheduler; one without it was the loop's own work 
    server's thread under ``SCHED_IDLE`` and the workers kept off this process's first CPU), that
    with ``worker_groups=2``, the server thread at normal priority (the default before "auto"),
    under ``server_priority="idle"``, and that with the workers kept off this process's first CPU
-   by hand (``worker_cpus``; where it may use two or more).
+   by hand (``worker_cpus``; where it may use two or more). ``--update-weights`` publishes the
+   policy after each batch, as a training loop does; ``--policy-width N`` acts with a 4-N-N-2 MLP
+   (CartPole), whose forward pass is long.
 2. **In another process** (``--other-process``): the whole collector in a child process, in this
    process's session or in a session of its own, and only a bare event loop with the probe here:
    what a server process (instead of a thread) would leave to the user's loop.
@@ -53,7 +55,22 @@ def workload(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, int]:
         from inference import NatureCNN, make_pong
 
         return make_pong, NatureCNN(), 16
+    if args.policy_width:
+        return "CartPole-v1", WideMLP(args.policy_width), 32
     return "CartPole-v1", ArgmaxMLP(), 32
+
+
+class WideMLP(torch.nn.Module):
+    """``--policy-width N``: a 4-N-N-2 MLP acting greedily, whose forward pass on a CPU is long
+    (N=4096: 17M weights, tens of ms a pass here)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                       torch.nn.Tanh(), torch.nn.Linear(width, 2))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
 
 
 class Probe:
@@ -119,7 +136,8 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
     if pinned:
         extra["worker_cpus"] = sorted(os.sched_getaffinity(0))[1:]
     async with Collector(env, policy, frames_per_batch=args.workers * args.envs * steps, num_workers=args.workers,
-                         envs_per_worker=args.envs, inference=inference, seed=0, **extra) as c:
+                         envs_per_worker=args.envs, inference=inference, delivery=args.delivery, seed=0,
+                         **extra) as c:
         it = aiter(c)
         t_end = time.perf_counter() + 1.0
         while time.perf_counter() < t_end:
@@ -137,6 +155,8 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
                 if (batch := await next_batch(it, args.patience)) is None:
                     break
                 frames += batch.numel()
+                if args.update_weights:  # (as the README's loop does after each training step)
+                    await c.update_weights(policy)
             elapsed = time.perf_counter() - t0
             if probe is not None:
                 probe.running = False
@@ -172,7 +192,10 @@ def in_process(args: argparse.Namespace) -> None:
 
     how = "its thread under SCHED_IDLE" if crowded(args.workers) else "its thread at normal priority"
     spare = spare_one_cpu(args.workers)
-    log(f"\nThe loop that collects ({args.env}, {args.workers} workers x {args.envs} envs)")
+    log(f"\nThe loop that collects ({args.env}, {args.workers} workers x {args.envs} envs"
+        + (f", a 4-{args.policy_width}-{args.policy_width}-2 MLP" if args.policy_width else "")
+        + (f", {args.delivery} delivery" if args.delivery != "sync" else "")
+        + (", update_weights after each batch)" if args.update_weights else ")"))
     log(f"(\"server\" and \"2 groups\": default options; here {how}"
         + (f", the workers on CPUs {cpu_list(spare)})" if spare else ")"))
     log(f"{'setup':<14} {'frames/s':>9}  {'loop lag p50 / p99 / max (ms)':>29}  {'late (>1 ms)':>12}  "
@@ -192,7 +215,9 @@ def other_process(args: argparse.Namespace) -> None:
             log(f"collector in another process ({where}): {setup} ...")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", setup, "--env", args.env,
                    "--workers", str(args.workers), "--envs", str(args.envs), "--seconds", str(args.seconds + 2),
-                   "--patience", str(args.patience)]
+                   "--patience", str(args.patience), "--policy-width", str(args.policy_width),
+                   "--delivery", args.delivery]
+            cmd += ["--update-weights"] if args.update_weights else []
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=own_session)
             try:
                 assert proc.stdout is not None
@@ -258,10 +283,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup (default 5)")
     p.add_argument("--patience", type=float, default=60.0,
                    help="the longest wait for one batch before a setup counts as starved (default 60 s)")
+    p.add_argument("--delivery", choices=("sync", "async"), default="sync", help="default sync")
+    p.add_argument("--update-weights", action="store_true",
+                   help="publish the policy's weights after each batch (update_weights), as a training loop does")
+    p.add_argument("--policy-width", type=int, default=0,
+                   help="CartPole: a 4-N-N-2 MLP instead of the 4-64-2 one (a long forward pass; default: not)")
     p.add_argument("--other-process", action="store_true",
                    help="also: the collector in another process, a bare event loop here")
     p.add_argument("--child", choices=tuple(SETUPS), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.policy_width and args.env != "cartpole":
+        p.error("--policy-width sets CartPole's policy: add --env cartpole")
+    return args
 
 
 if __name__ == "__main__":

@@ -74,12 +74,12 @@ def warnings_in(out: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_loop_lag_benchmark_runs_both_parts_to_their_tables():
-    """benchmarks/loop_lag.py on CartPole at a tiny scale: the in-process table (four setups) and
-    the other-process table (four rows), and nothing left behind (the script reaps and warns).
+    """benchmarks/loop_lag.py on CartPole at a tiny scale, weights published after each batch: the
+    in-process table (four setups) and the other-process table (four rows), and nothing left behind (the script reaps and warns).
     A setup that starves (the idle server on a loaded machine) ends after ``--patience``."""
     out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", "--patience", "5",
-                     timeout=280)
-    assert "The loop that collects (cartpole, 2 workers x 4 envs)" in out
+                     "--update-weights", timeout=280)
+    assert "The loop that collects (cartpole, 2 workers x 4 envs, update_weights after each batch)" in out
     setups = ("worker", "server", "server, idle") + (("idle, pinned",) if len(os.sched_getaffinity(0)) > 1 else ())
     assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in setups), out
     assert len(re.findall(r"^(worker|server, idle)\s+(this session|its own session)\s+[\d,]+", out, re.M)) == 4, out

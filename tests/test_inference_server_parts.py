@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import select
+import threading
+from functools import partial
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -158,6 +161,15 @@ def _answer(server: InferenceServer, seat: int) -> tuple[list[int], int]:
     return segment.act[0][seat].tolist(), int(segment.versions[seat])
 
 
+async def _answered(server: InferenceServer, seat: int) -> tuple[list[int], int]:
+    """:func:`_answer`, waited for on the event loop."""
+    segment = server.segment
+    assert segment is not None
+    with anyio.fail_after(10):
+        await anyio.wait_readable(segment.resp_fds[seat])
+    return _answer(server, seat)
+
+
 def _server(policy, **options) -> InferenceServer:
     spec = {"obs": observation_leaves(OBS), "act": action_leaves(ACT), "act_space": ACT}
     server = InferenceServer(policy, spec, 2, 3, ServerOptions(**options))
@@ -177,7 +189,7 @@ def test_a_server_answers_each_seat_with_the_version_of_the_weights_that_acted_a
             user.scale.fill_(0)  # (the trainer's own module: not what the server runs)
         _ask(server, 0, [1, 1, 1])
         assert _answer(server, 0) == ([1, 1, 1], 0)
-        server.load({"scale": torch.tensor(2.0)}, 7)
+        anyio.run(server.load, {"scale": torch.tensor(2.0)}, 7)
         _ask(server, 0, [1, 0, 1])
         _ask(server, 1, [0, 1, 1])
         assert _answer(server, 0) == ([2, 0, 2], 7) and _answer(server, 1) == ([0, 2, 2], 7)
@@ -192,6 +204,109 @@ def test_a_server_answers_each_seat_with_the_version_of_the_weights_that_acted_a
         os.close(resp)
     assert server.segment is None and server.thread is None and server.requests is None
     server.stop()  # (twice: nothing left to do)
+
+
+class Gate:
+    """Holds a forward pass of :class:`Held` while :attr:`hold` is set, until :attr:`release`."""
+
+    def __init__(self) -> None:
+        self.hold, self.entered, self.release = False, threading.Event(), threading.Event()
+
+
+GATE = Gate()  # (module-level: the server runs a deep copy of the policy)
+
+
+class Held(Scaled):
+    """:class:`Scaled` whose forward pass can be held (a long pass: a big model, or one a busy
+    Python thread slows)."""
+
+    def forward(self, observation):
+        if GATE.hold:
+            GATE.entered.set()
+            GATE.release.wait(60)
+        return super().forward(observation)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the_event_loop():
+    """``update_weights`` under server inference while a forward pass holds the weights: the load
+    waits for that pass off the loop (the loop's other tasks run meanwhile), then the next pass
+    acts with the new weights and version, and the pass in progress kept the old ones."""
+    global GATE
+    GATE = gate = Gate()
+    server = _server(Held())
+    try:
+        gate.hold = True
+        _ask(server, 0, [1, 1, 1])
+        with anyio.fail_after(60):  # (no thread of anyio's here: trio keeps its idle threads 10 s)
+            while not gate.entered.is_set():
+                await anyio.sleep(0.005)
+        ticks, loaded = 0, anyio.Event()
+
+        async def load() -> None:
+            await server.load({"scale": torch.tensor(2.0)}, 7)
+            loaded.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            while ticks < 20:  # the loop runs while the load waits for the pass in progress
+                await anyio.sleep(0.001)
+                ticks += 1
+            assert not loaded.is_set() and server.weights.version == 0
+            gate.hold = False
+            gate.release.set()
+        assert await _answered(server, 0) == ([1, 1, 1], 0)  # (the pass in progress: the old weights)
+        _ask(server, 1, [1, 0, 1])
+        assert await _answered(server, 1) == ([2, 0, 2], 7)
+    finally:
+        gate.release.set()
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+async def test_loads_left_during_a_pass_are_made_in_order_cancelled_or_not_and_a_failed_one_raises():
+    """Three ``update_weights`` while one pass holds the weights: one whose copy fails (its error
+    is raised to its caller), then two more, the first of them cancelled while it waits (a made
+    version still reaches the server). Once the pass ends, the last version and its weights act,
+    and the server goes on serving."""
+    global GATE
+    GATE = gate = Gate()
+    server = _server(Held())
+    try:
+        gate.hold = True
+        _ask(server, 0, [1, 1, 1])
+        with anyio.fail_after(60):
+            while not gate.entered.is_set():
+                await anyio.sleep(0.005)
+        failed: list[BaseException] = []
+
+        async def bad() -> None:
+            try:
+                await server.load({"scale": torch.ones(3)}, 7)  # (a scalar weight: the copy fails)
+            except RuntimeError as exc:
+                failed.append(exc)
+
+        async def cancelled() -> None:
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # (as it starts waiting: the wait is shielded)
+                await server.load({"scale": torch.tensor(2.0)}, 8)
+
+        async with anyio.create_task_group() as tg:
+            for load in (bad, cancelled, partial(server.load, {"scale": torch.tensor(3.0)}, 9)):
+                tg.start_soon(load)
+                await anyio.sleep(0.01)  # (in this order)
+            assert server.weights.version == 0  # (the pass still holds the weights)
+            gate.hold = False
+            gate.release.set()
+        assert len(failed) == 1 and "shape" in str(failed[0]), failed
+        assert await _answered(server, 0) == ([1, 1, 1], 0)
+        _ask(server, 1, [1, 0, 1])
+        assert await _answered(server, 1) == ([3, 0, 3], 9)
+    finally:
+        gate.release.set()
+        server.stop()
 
 
 def test_a_recurrent_servers_passes_carry_each_seats_own_rows():

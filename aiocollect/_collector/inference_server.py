@@ -155,6 +155,7 @@ class InferenceServer:
             segment.write(ready, actions, extras, version)
         self.stats.add(n, time.perf_counter() - t0)
         segment.answer(ready)
+        weights.apply_pending()  # (update_weights made during the pass: after its answers)
 
     async def watch(self) -> None:
         """The run's task for the server: raises the policy's error if a forward pass fails
@@ -185,11 +186,12 @@ class InferenceServer:
         """The layout of the weights the server runs (None: a policy without weights)."""
         return self.weights.layout
 
-    def load(self, state: dict[str, Any], version: int) -> None:
+    async def load(self, state: dict[str, Any], version: int) -> None:
         """``update_weights``: :meth:`ServerWeights.load
         <aiocollect._collector.server_weights.ServerWeights.load>` (the next pass uses both
-        ``state`` and ``version``; no pass sees one without the other)."""
-        self.weights.load(state, version)
+        ``state`` and ``version``; no pass sees one without the other; the loop runs on while a
+        pass in progress is waited for)."""
+        await self.weights.load(state, version)
 
     def policy_attr(self, name: str) -> Any:
         """``getattr_policy``: the attribute ``name`` of the server's own policy (the one that

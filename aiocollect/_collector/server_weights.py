@@ -6,10 +6,28 @@ own stream. Why a copy, and what a load guarantees: :mod:`aiocollect._collector.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from .._core.errors import ConfigError
+
+
+_RETRY_S = 0.002  # how often a load left for the server's thread looks whether the lock is free
+
+
+@dataclass(eq=False)
+class _Load:
+    """A load :meth:`ServerWeights.load` left for the server's thread: what to copy, and the
+    eventfd its caller waits on."""
+
+    state: dict[str, Any]
+    version: int
+    caller: Any  # the caller's CUDA stream, or None
+    fd: int
+    done: bool = False
+    error: BaseException | None = None
 
 
 class ServerWeights:
@@ -39,6 +57,8 @@ class ServerWeights:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # (the copy of the weights made above)
         self.version = 0
         self.lock = threading.Lock()  # held by each forward pass and by weight loads
+        self._pending: list[_Load] = []  # loads left for the server's thread while a pass held the lock
+        self._pending_lock = threading.Lock()
 
     def on_stream(self) -> Any:
         """CUDA: the server's own stream, which never waits on the trainer's streams (its weights
@@ -49,7 +69,7 @@ class ServerWeights:
 
         return torch.cuda.stream(self.stream)
 
-    def load(self, state: dict[str, Any], version: int) -> None:
+    async def load(self, state: dict[str, Any], version: int) -> None:
         """``update_weights``: copy ``state`` (tensors keyed as :attr:`tensors` names them, all
         or some of them, already matched by the weight sync) into the server's weights and make
         ``version`` theirs, in one hold of the lock under which forward passes run: the next pass
@@ -57,25 +77,86 @@ class ServerWeights:
         server's stream after what the caller queued on its current stream, and the caller's
         stream waits for them before anything it queues next (an in-place optimizer step cannot
         change a tensor while it is copied). Tensors the server runs itself
-        (``server_weights="shared"``) are not copied onto themselves."""
+        (``server_weights="shared"``) are not copied onto themselves.
+
+        The event loop never waits for the lock: while a forward pass holds it (a pass of a big
+        model, or one a busy Python thread slows: each torch call gives the GIL away), the load
+        is left for the server's thread, which makes it once that pass has answered
+        (:meth:`apply_pending`), and this coroutine waits for it, shielded from cancellation
+        (the version is made: the server takes it)."""
         import torch
 
-        with self.lock:
-            if self.cuda:
-                caller = torch.cuda.current_stream(self.device)
-                self.stream.wait_stream(caller)
-            with torch.no_grad(), self.on_stream():
-                for name, value in state.items():
-                    own = self.tensors[name]
-                    if value.data_ptr() != own.data_ptr() or value.device != own.device:
-                        # (asynchronous from a device tensor only: a host tensor the caller changes
-                        # right after this returns must have been read already)
-                        own.copy_(value, non_blocking=value.is_cuda)
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                caller.wait_event(done)
-            self.version = version
+        caller = torch.cuda.current_stream(self.device) if self.cuda else None  # (the calling thread's)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._apply_pending()  # (loads left earlier come first: versions in order)
+                self._copy(state, version, caller)
+            finally:
+                self.lock.release()
+            return
+        import anyio
+
+        job = _Load(state, version, caller, os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        with self._pending_lock:
+            self._pending.append(job)
+        try:
+            with anyio.CancelScope(shield=True):
+                while not job.done:
+                    # the pass in progress may have ended before it saw the job, and the server
+                    # gone idle: whoever holds the lock next makes the loads left, this task too
+                    if self.lock.acquire(blocking=False):
+                        try:
+                            self._apply_pending()
+                        finally:
+                            self.lock.release()
+                        continue
+                    with anyio.move_on_after(_RETRY_S):
+                        await anyio.wait_readable(job.fd)
+        finally:
+            with self._pending_lock:  # (the server's thread writes the fd under this lock, before done)
+                os.close(job.fd)
+        if job.error is not None:
+            raise job.error
+
+    def apply_pending(self) -> None:
+        """The server's thread, after each pass has answered: make the loads :meth:`load` left
+        while the pass held the lock (in the order they were made), and wake their callers."""
+        if self._pending:
+            with self.lock:
+                self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """Make the loads left (the lock held), each in one hold of it with the others."""
+        with self._pending_lock:
+            jobs, self._pending = self._pending, []
+        for job in jobs:
+            try:
+                self._copy(job.state, job.version, job.caller)
+            except BaseException as exc:  # (the caller's update_weights raises it)
+                job.error = exc
+            with self._pending_lock:
+                os.eventfd_write(job.fd, 1)
+                job.done = True
+
+    def _copy(self, state: dict[str, Any], version: int, caller: Any) -> None:
+        """:meth:`load`'s copies and version, the lock held; ``caller``: the stream of the thread
+        that called ``update_weights`` (CUDA), which a copy waits for and which waits for it."""
+        import torch
+
+        if self.cuda:
+            self.stream.wait_stream(caller)
+        with torch.no_grad(), self.on_stream():
+            for name, value in state.items():
+                own = self.tensors[name]
+                if value.data_ptr() != own.data_ptr() or value.device != own.device:
+                    # (asynchronous from a device tensor only: a host tensor the caller changes
+                    # right after this returns must have been read already)
+                    own.copy_(value, non_blocking=value.is_cuda)
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            caller.wait_event(done)
+        self.version = version
 
     def attr(self, name: str) -> Any:
         """The attribute ``name`` of the policy the server runs, read under the lock (never

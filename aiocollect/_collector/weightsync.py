@@ -519,11 +519,12 @@ class WeightSync:
         server's own weights take it at once, between two forward passes, and every worker has
         applied it when this returns (its :class:`~aiocollect.events.WeightsApplied` follow)."""
         self._check_targets(targets)
-        if self.server is not None:
-            state = self._state_for(self.server.weights_layout, updates, None)
+        server = self.server  # (the run may end while the load waits for a forward pass)
+        if server is not None:
+            state = self._state_for(server.weights_layout, updates, None)
             version = self._next_version()
             t0 = time.perf_counter()
-            self.server.load(state, version)
+            await server.load(state, version)
             latency = time.perf_counter() - t0
             for w in targets:
                 self.acked[w] = version
@@ -532,7 +533,7 @@ class WeightSync:
             version = await self._write_stores(updates, targets)
         ids = tuple(updates)
         await self._emit(ev.WeightsUpdated, version=version, model_id=ids[0], model_ids=ids, workers=tuple(targets))
-        if self.server is not None:
+        if server is not None:
             for w in targets:
                 await self._emit(ev.WeightsApplied, version=version, worker=w, latency=latency)
         return version
