@@ -227,12 +227,8 @@ class Held(Scaled):
         return super().forward(observation)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.loops("asyncio", "uvloop", "trio")
-async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the_event_loop():
-    """``update_weights`` under server inference while a forward pass holds the weights: the load
-    waits for that pass off the loop (the loop's other tasks run meanwhile), then the next pass
-    acts with the new weights and version, and the pass in progress kept the old ones."""
+async def _held_pass() -> tuple[InferenceServer, Gate]:
+    """A server of :class:`Held` whose pass for seat 0 (observations 1, 1, 1) is under way, held."""
     global GATE
     GATE = gate = Gate()
     server = _server(Held())
@@ -242,6 +238,21 @@ async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the
         with anyio.fail_after(60):  # (no thread of anyio's here: trio keeps its idle threads 10 s)
             while not gate.entered.is_set():
                 await anyio.sleep(0.005)
+    except BaseException:
+        gate.release.set()
+        server.stop()
+        raise
+    return server, gate
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.loops("asyncio", "uvloop", "trio")
+async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the_event_loop():
+    """``update_weights`` under server inference while a forward pass holds the weights: the load
+    waits for that pass off the loop (the loop's other tasks run meanwhile), then the next pass
+    acts with the new weights and version, and the pass in progress kept the old ones."""
+    server, gate = await _held_pass()
+    try:
         ticks, loaded = 0, anyio.Event()
 
         async def load() -> None:
@@ -271,15 +282,8 @@ async def test_loads_left_during_a_pass_are_made_in_order_cancelled_or_not_and_a
     is raised to its caller), then two more, the first of them cancelled while it waits (a made
     version still reaches the server). Once the pass ends, the last version and its weights act,
     and the server goes on serving."""
-    global GATE
-    GATE = gate = Gate()
-    server = _server(Held())
+    server, gate = await _held_pass()
     try:
-        gate.hold = True
-        _ask(server, 0, [1, 1, 1])
-        with anyio.fail_after(60):
-            while not gate.entered.is_set():
-                await anyio.sleep(0.005)
         failed: list[BaseException] = []
 
         async def bad() -> None:
