@@ -40,6 +40,22 @@ class ArgmaxMLP(nn.Module):
         return self.net(obs).argmax(-1)
 
 
+class WideArgmaxMLP(nn.Module):
+    """4 -> width -> ... -> width -> 2 (``hidden`` hidden layers, tanh between them), argmax: a
+    CartPole policy with many weights and a long forward pass."""
+
+    def __init__(self, width: int, hidden: int = 3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(4, width), nn.Tanh()]
+        for _ in range(hidden - 1):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        layers.append(nn.Linear(width, 2))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).argmax(-1)
+
+
 # --------------------------------------------------------------------------------------------------
 # results and measurement helpers
 

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from _util import ArgmaxMLP, log, machine, machine_line, next_batch, percentiles_ms, reap, sigterm_as_interrupt
+from _util import (ArgmaxMLP, WideArgmaxMLP, log, machine, machine_line, next_batch, percentiles_ms, reap,
+                   sigterm_as_interrupt)
 
 #: name: (inference, options (server_priority, worker_groups), the workers kept off this process's first CPU by hand)
 SETUPS: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -56,21 +57,8 @@ def workload(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, int]:
 
         return make_pong, NatureCNN(), 16
     if args.policy_width:
-        return "CartPole-v1", WideMLP(args.policy_width), 32
+        return "CartPole-v1", WideArgmaxMLP(args.policy_width, hidden=2), 32
     return "CartPole-v1", ArgmaxMLP(), 32
-
-
-class WideMLP(torch.nn.Module):
-    """``--policy-width N``: a 4-N-N-2 MLP acting greedily, whose forward pass on a CPU is long
-    (N=4096: 17M weights, tens of ms a pass here)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
-                                       torch.nn.Tanh(), torch.nn.Linear(width, 2))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
 
 
 class Probe:

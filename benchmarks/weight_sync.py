@@ -109,6 +109,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _util.py besid
 from _util import (
     ArgmaxMLP,
     MP_HELPERS,
+    WideArgmaxMLP,
     become_subreaper,
     child_signals,
     log,
@@ -129,22 +130,7 @@ SETTLE_TIMEOUT_S = 60.0  # longest wait for one update to be applied / acknowled
 
 
 # --------------------------------------------------------------------------------------------------
-# the models (defined in the script: aiocollect cloudpickles them by value, spawn re-imports this file)
-
-
-class WideArgmaxMLP(nn.Module):
-    """4 -> width -> ... -> width -> 2 (``hidden`` hidden layers, tanh between them), argmax."""
-
-    def __init__(self, width: int, hidden: int = 3) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(OBS_DIM, width), nn.Tanh()]
-        for _ in range(hidden - 1):
-            layers += [nn.Linear(width, width), nn.Tanh()]
-        layers.append(nn.Linear(width, 2))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs).argmax(-1)
+# the models (ArgmaxMLP and WideArgmaxMLP from _util.py, which spawned workers import by reference)
 
 
 def wide_params(width: int, hidden: int = 3) -> int:

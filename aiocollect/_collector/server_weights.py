@@ -25,7 +25,7 @@ class _Load:
     state: dict[str, Any]
     version: int
     caller: Any  # the caller's CUDA stream, or None
-    fd: int
+    fd: int = -1  # made once the caller has to wait
     done: bool = False
     error: BaseException | None = None
 
@@ -84,37 +84,33 @@ class ServerWeights:
         is left for the server's thread, which makes it once that pass has answered
         (:meth:`apply_pending`), and this coroutine waits for it, shielded from cancellation
         (the version is made: the server takes it)."""
+        import anyio
         import torch
 
         caller = torch.cuda.current_stream(self.device) if self.cuda else None  # (the calling thread's)
-        if self.lock.acquire(blocking=False):
-            try:
-                self._apply_pending()  # (loads left earlier come first: versions in order)
-                self._copy(state, version, caller)
-            finally:
-                self.lock.release()
-            return
-        import anyio
-
-        job = _Load(state, version, caller, os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        job = _Load(state, version, caller)
         with self._pending_lock:
             self._pending.append(job)
         try:
-            with anyio.CancelScope(shield=True):
-                while not job.done:
-                    # the pass in progress may have ended before it saw the job, and the server
-                    # gone idle: whoever holds the lock next makes the loads left, this task too
-                    if self.lock.acquire(blocking=False):
-                        try:
-                            self._apply_pending()
-                        finally:
-                            self.lock.release()
-                        continue
-                    with anyio.move_on_after(_RETRY_S):
-                        await anyio.wait_readable(job.fd)
+            while True:
+                # the lock free (no pass under way, or it ended and the server went idle before
+                # it saw the job): made here, in one hold of it, with any load left before it
+                if self.lock.acquire(blocking=False):
+                    try:
+                        self._apply_pending()
+                    finally:
+                        self.lock.release()
+                with self._pending_lock:
+                    if job.done:
+                        break
+                    if job.fd < 0:
+                        job.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_RETRY_S):
+                    await anyio.wait_readable(job.fd)
         finally:
             with self._pending_lock:  # (the server's thread writes the fd under this lock, before done)
-                os.close(job.fd)
+                if job.fd >= 0:
+                    os.close(job.fd)
         if job.error is not None:
             raise job.error
 
@@ -135,7 +131,8 @@ class ServerWeights:
             except BaseException as exc:  # (the caller's update_weights raises it)
                 job.error = exc
             with self._pending_lock:
-                os.eventfd_write(job.fd, 1)
+                if job.fd >= 0:
+                    os.eventfd_write(job.fd, 1)
                 job.done = True
 
     def _copy(self, state: dict[str, Any], version: int, caller: Any) -> None:
