@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 
 import anyio
+import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -22,9 +24,9 @@ class Marked(torch.nn.Module):
     A frame whose `weight_id` differs from its policy_version, or whose spread is not 0 (a torn,
     half-written copy), breaks the invariant."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 256) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(256))
+        self.w = torch.nn.Parameter(torch.zeros(size))
 
     def forward(self, obs):
         n = obs.shape[0]
@@ -32,8 +34,8 @@ class Marked(torch.nn.Module):
         return (torch.zeros(n, dtype=torch.int64), w.mean().expand(n).clone(), (w.max() - w.min()).expand(n).clone())
 
 
-def marked_policy() -> tuple[Marked, TensorDictModule]:
-    net = Marked()
+def marked_policy(size: int = 256) -> tuple[Marked, TensorDictModule]:
+    net = Marked(size)
     return net, TensorDictModule(net, in_keys=["observation"], out_keys=["action", "weight_id", "spread"])
 
 
@@ -95,6 +97,57 @@ async def test_wait_returns_once_every_worker_applied_and_events_report_latency(
         assert all(e.latency >= 0 for e in applied)
         batch = await c.collect()
         assert (batch["collector", "policy_version"] == 1).all() and (batch["weight_id"] == 7).all()
+
+
+async def test_a_big_policy_is_written_in_parts_while_the_loop_runs_and_each_version_lands_whole(monkeypatch):
+    """Worker inference, a policy of 4 MiB written into the shared store: the loop runs between
+    the parts of the copy (a task on it sees the store being written), two updates started
+    together land whole and in order, and one cancelled while its copy is under way still lands
+    (its version is made); every later frame acts with the weights its version names."""
+    from aiocollect._collector import weightsync
+    from aiocollect._worker.weights import PART_BYTES
+
+    monkeypatch.setattr(weightsync, "WRITE_SLICE_S", 0.0)  # let the loop run after every part
+    size = 4 * PART_BYTES // 4
+    net, policy = marked_policy(size)
+    async with Collector(counting, policy, frames_per_batch=16, num_workers=2, envs_per_worker=2, prefetch=0) as c:
+        await c.collect()
+        store = c._run.shared.sync.store
+        seen_writing = 0
+
+        async def watch(stop: anyio.Event) -> None:
+            nonlocal seen_writing
+            while not stop.is_set():
+                seen_writing += int(any(int(seq) & 1 for seq in store.header[:2]))
+                await anyio.lowlevel.checkpoint()
+
+        async def update(value: float, versions: list[int]) -> None:
+            weights = {"w": torch.full((size,), value)}
+            versions.append(await c.update_weights(weights, wait=False))
+
+        stop, versions = anyio.Event(), []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, stop)
+            async with anyio.create_task_group() as updates:
+                updates.start_soon(update, 1.0, versions)
+                updates.start_soon(update, 2.0, versions)
+            stop.set()
+        assert seen_writing >= 2, "the loop should run while the store is written"
+        assert sorted(versions) == [1, 2] and store.latest_version == 2
+        assert store.views[int(store.header[2])][0].eq(2.0).all()
+
+        with anyio.CancelScope() as scope:  # cancelled once its copy is under way
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(update, 3.0, [])
+                while not any(int(seq) & 1 for seq in store.header[:2]):
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+        assert store.latest_version == 3 == c.policy_version
+        with anyio.fail_after(30):
+            batch = await c.collect()
+            while not (batch["collector", "policy_version"] == 3).all():  # (applied at a batch boundary)
+                batch = await c.collect()
+        assert (batch["weight_id"] == 3.0).all() and (batch["spread"] == 0).all()
 
 
 async def test_update_at_each_batch_pulls_the_reference_policy():
@@ -389,6 +442,36 @@ def test_store_failed_publish_is_never_seen_and_the_next_one_is_complete():
     store.publish({"b.w": torch.full((4,), 6.0)}, 2)
     store.publish({"b.w": torch.full((4,), 7.0)}, 3)
     assert reader.apply() == 3 and worker.a.w.eq(1).all() and worker.b.w.eq(7).all()
+
+
+def test_store_written_in_parts_is_seen_only_once_complete():
+    from aiocollect._worker.weights import PART_BYTES, WeightReader, WeightStore
+
+    net = torch.nn.Module()
+    net.big = torch.nn.Parameter(torch.zeros(3 * PART_BYTES // 4))  # float32: three parts
+    net.small = torch.nn.Parameter(torch.zeros(4))
+    reader = WeightReader(net)
+    store = WeightStore.create(reader.layout, bytearray(reader.layout.nbytes))
+    reader.add(store)
+    store.publish({"big": torch.full_like(net.big, 1.0), "small": torch.full((4,), 1.0)}, 1)
+    parts = store.publish_in_parts({"big": torch.arange(net.big.numel(), dtype=torch.float32),
+                                    "small": torch.full((4,), 2.0)}, 2)
+    next(parts), next(parts)  # a third of "big" written, then two
+    assert store.latest_version == 1 and reader.apply() == 1 and net.big.eq(1).all()
+    assert sum(1 for _ in parts) == 2  # the last part of "big", then "small"
+    assert reader.apply() == 2 and net.big.equal(torch.arange(net.big.numel(), dtype=torch.float32))
+    store.publish({"small": torch.full((4,), 3.0)}, 3)  # both buffers now hold version 2's "big"
+    parts = store.publish_in_parts({"big": torch.full_like(net.big, 4.0), "small": torch.full((4,), 4.0)}, 4)
+    next(parts)
+    parts.close()  # given up a third of the way into "big": never seen, and the next one is complete
+    assert store.latest_version == 3 and all(int(s) % 2 == 0 for s in store.header[:2])
+    store.publish({"small": torch.full((4,), 5.0)}, 5)  # into the same buffer: "big" rewritten from version 2's
+    fresh = WeightReader(torch.nn.Module())
+    fresh.targets, fresh.have = [torch.zeros_like(net.big), torch.zeros(4)], np.zeros(2, dtype=np.int64)
+    fresh.add(store)
+    for r, big in ((reader, net.big), (fresh, fresh.targets[0])):
+        assert r.apply() == 5 and big.equal(torch.arange(net.big.numel(), dtype=torch.float32))
+    assert net.small.eq(5).all()
 
 
 @pytest.mark.parametrize("order", ["shared first", "own first"])

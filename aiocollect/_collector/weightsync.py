@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from .._core import shm as _shm
@@ -344,6 +345,24 @@ def match_state(
     return out
 
 
+WRITE_SLICE_S = 0.0005  # a store is written in parts; the loop runs between them after this long
+
+
+async def _write(store: Any, state: Mapping[str, Any], version: int) -> None:
+    """``store.publish(state, version)``, letting the event loop run whenever a part of the
+    copy has taken ``WRITE_SLICE_S`` since it last ran (a big policy: tens of milliseconds of
+    copying would stop everything else on the loop)."""
+    parts = store.publish_in_parts(state, version)
+    try:
+        since = time.perf_counter()
+        for _ in parts:
+            if time.perf_counter() - since >= WRITE_SLICE_S:
+                await anyio.lowlevel.checkpoint()
+                since = time.perf_counter()
+    finally:
+        parts.close()
+
+
 class WeightSync:
     """Owned by a collector for one run of its workers (made anew by each launch).
     ``serving``: ``inference="server"``, where updates go to the server's weights (one policy
@@ -367,6 +386,7 @@ class WeightSync:
         self._changed = anyio.Event()  # set (and replaced) at each acknowledgement
         self._fds: list[int] = []  # the stores' memfds: kept for workers that replace failed ones
         self.watch: InPlaceWatch | None = None  # the constructor's policy, watched for unpublished training
+        self._writing: anyio.Lock | None = None  # held while a version is written into the stores
 
     def setup(self, layouts: list[Any], workers: list[Any]) -> dict[int, tuple[int, ...]]:
         """Workers' policy layouts known: make the shared store if they all have the same one.
@@ -558,12 +578,16 @@ class WeightSync:
                 if layout not in by_layout:  # workers with the same policy layout: matched once
                     by_layout[layout] = self._state_for(layout, updates, None if self.store else w)
                 writes.append((w, by_layout[layout]))
-        version = self._next_version()
-        self.published_at[version] = time.perf_counter()
-        for store, state in writes:
-            if not shared:
-                store = await self._worker_store(store)
-            store.publish(state, version)
+        if self._writing is None:
+            self._writing = anyio.Lock()
+        async with self._writing:  # one write at a time: each version lands whole, and in order
+            with anyio.CancelScope(shield=True):  # (its number is made: it lands, then a cancel is raised)
+                version = self._next_version()
+                self.published_at[version] = time.perf_counter()
+                for store, state in writes:
+                    if not shared:
+                        store = await self._worker_store(store)
+                    await _write(store, state, version)
         for w in targets:
             try:
                 await self.workers[w].nudge()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -26,6 +26,24 @@ from .._core.errors import ConfigError, WeightsMismatchError  # noqa: F401 - (it
 _HEADER_WORDS = 8  # seq0, seq1, latest (-1: nothing yet), version0, version1, unused...
 _ALIGN = 64
 ROOT = "policy"  # the model id of a worker's whole policy; "policy.<path>" names a submodule
+
+
+PART_BYTES = 1 << 18  # WeightStore.publish_in_parts: a tensor bigger than this is copied in slices of it
+
+
+def _copy_in_parts(dest: Any, src: Any) -> Iterator[None]:
+    """``dest.copy_(src)`` (``dest`` a contiguous view of a store), in slices of about
+    ``PART_BYTES`` when both are contiguous and of the same shape, yielding after each."""
+    nbytes = dest.numel() * dest.element_size()
+    if nbytes <= PART_BYTES or src.shape != dest.shape or not src.is_contiguous():
+        dest.copy_(src)  # (a small tensor, or one broadcast or strided: whole)
+        yield
+        return
+    flat_dest, flat_src = dest.view(-1), src.reshape(-1)
+    step = max(1, PART_BYTES // dest.element_size())
+    for start in range(0, flat_dest.numel(), step):
+        flat_dest[start:start + step].copy_(flat_src[start:start + step])
+        yield
 
 
 def _aligned(n: int) -> int:
@@ -159,22 +177,34 @@ class WeightStore:
         """Write ``state`` (all the layout's tensors, or some of them: a partial update) as
         ``version``, then make it the latest. One copy of what ``state`` holds, plus the tensors
         that changed in the latest buffer since this one was last written."""
+        for _ in self.publish_in_parts(state, version):
+            pass
+
+    def publish_in_parts(self, state: Mapping[str, Any], version: int) -> Iterator[None]:
+        """:meth:`publish`, one part at a time: yields after each tensor, or each ``PART_BYTES``
+        of a bigger one, so that an async caller can let its loop run between parts (readers go
+        on reading the latest buffer meanwhile). The version becomes the latest once the
+        generator is exhausted; one closed before that publishes nothing."""
         h = self.header
         latest = int(h[2])
         b = 0 if latest != 0 else 1
         mine, views = self.changed[b], self.views[b]
         h[b] += 1  # odd: being written
+        i = -1
         try:
             if latest >= 0 and len(state) < len(self.index):
                 theirs, their_views = self.changed[latest], self.views[latest]
                 for i in np.nonzero(theirs != mine)[0].tolist():  # carried over: unchanged by this version
-                    views[i].copy_(their_views[i])
+                    yield from _copy_in_parts(views[i], their_views[i])
                     mine[i] = theirs[i]
             for name, value in state.items():
                 i = self.index[name]
-                views[i].copy_(value)
+                yield from _copy_in_parts(views[i], value)
                 mine[i] = version
-        except BaseException:
+            i = -1
+        except BaseException:  # (GeneratorExit too: closed before the end)
+            if i >= 0:
+                mine[i] = -1  # half-written: marked unlike any version, so the next publish rewrites it
             h[b] += 1  # even again, but not the latest: readers never see it; the next publish
             raise  # carries over every tensor this one touched (their change marks differ)
         h[3 + b] = version
