@@ -22,6 +22,7 @@ from .. import events as ev
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
 from .._core.affinity import crowded, spare_one_cpu
+from .._core.imports import env_needs
 from .._core.quick_import import import_module
 from .._core.errors import AiocollectError, SpecError
 from .._core.layout import SlotLayout, frame_leaves
@@ -150,7 +151,10 @@ class WorkerPool:
         and share the slots and the weight store; the pool is then ready to grant credits."""
         c = self.config
         self.configs = self.rollout_configs(self.worker_policy_specs(), resume)
-        needs = tuple(sorted({n for cfg in self.configs for n in cfg.policy.needs}))
+        # (an env factory whose module imports torch: the workers import it too, so fork them from
+        # the launcher's torch template, where it is imported already)
+        policy_needs = {n for cfg in self.configs for n in cfg.policy.needs}
+        needs = tuple(sorted(policy_needs | set(env_needs(c.create_env_fn, c.create_env_kwargs))))
         # (a backend gets its own options alone: Ray its ray_actor_options)
         options = c.ray_actor_options if self.backend.options_name == "ray_actor_options" else None
         launch = Launch(self.configs, needs, c.shutdown_timeout, options, c.policy, c.factory_for(0))

@@ -39,6 +39,7 @@ from .._service.options import (
     env_factory_fix,
 )
 from .._core.errors import ConfigError
+from .._core.imports import env_needs
 from .._core.eval_wire import EvalWorkerConfig
 from .._core.limits import check_seed
 from .._core.video import require_writer
@@ -428,7 +429,8 @@ def worker_setup(c: EvaluatorConfig) -> tuple[bytes, tuple[str, ...]]:
     td_base = loaded_class("tensordict.nn", "TensorDictModuleBase")
     if td_base is not None and isinstance(c.policy, td_base):
         needs = ("torch", "tensordict")
-    return worker_config, needs
+    # (an env factory whose module imports torch: the worker imports it too; see _core/imports.py)
+    return worker_config, tuple(sorted(set(needs) | set(env_needs(c.env, c.env_kwargs))))
 
 
 def check_request(c: EvaluatorConfig, weights: Any, step: Any) -> None:
