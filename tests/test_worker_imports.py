@@ -17,7 +17,7 @@ import torch
 from aiocollect import Collector
 from aiocollect._backends.launcher import get_launcher
 from aiocollect._core import pickling
-from aiocollect._core.imports import env_needs, heavy_imports, modules_named, pickle_needs
+from aiocollect._core.imports import env_needs, heavy_imports, modules_named
 from aiocollect.testing import CountingEnv
 from procs import torch_template
 
@@ -47,6 +47,10 @@ import torch
 def scale(x):
     return torch.as_tensor(x) * 2
 """
+
+
+def pickle_needs(payload: bytes) -> tuple[str, ...]:
+    return heavy_imports(modules_named(payload))
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ process closes its socket, including on a crash) or until :func:`shutdown_launch
 get SIGKILL if it dies.
 
 **Two templates.** The workers of server inference and of random actions never load torch (they
-stay light), so this *light* template never imports it (a worker whose env factory's module
-imports torch is sent to the torch template: :mod:`aiocollect._core.imports`). Once its own imports are done it forks a
+stay light; unless their env factory's module imports it: :mod:`aiocollect._core.imports`), so
+this *light* template never imports it. Once its own imports are done it forks a
 *torch template*, a child that imports torch on top of them, the first time a request needs torch
 or tensordict (prefork's, or the first torch policy's); the light template forwards such requests
 (and the worker's socket sent with them) to it over a socket pair, and the worker is forked from

@@ -581,12 +581,11 @@ class WeightSync:
         if self._writing is None:
             self._writing = anyio.Lock()
         async with self._writing:  # one write at a time: each version lands whole, and in order
+            stores = [(store if shared else await self._worker_store(store), state) for store, state in writes]
             with anyio.CancelScope(shield=True):  # (its number is made: it lands, then a cancel is raised)
                 version = self._next_version()
                 self.published_at[version] = time.perf_counter()
-                for store, state in writes:
-                    if not shared:
-                        store = await self._worker_store(store)
+                for store, state in stores:
                     await _write(store, state, version)
         for w in targets:
             try:

@@ -78,11 +78,6 @@ def heavy_imports(modules: Iterable[str]) -> tuple[str, ...]:
     return tuple(h for h in HEAVY if h in found)
 
 
-def pickle_needs(payload: bytes) -> tuple[str, ...]:
-    """:func:`heavy_imports` of what unpickling ``payload`` imports."""
-    return heavy_imports(modules_named(payload))
-
-
 def env_needs(env_fn: Any, env_kwargs: Any) -> tuple[str, ...]:
     """Of :data:`HEAVY`, those a worker imports to make its envs: what unpickling ``env_fn`` (a
     gymnasium id, a factory, or a list of them) and ``env_kwargs`` imports, and the modules of the
