@@ -121,24 +121,24 @@ async def test_a_big_policy_is_written_in_parts_while_the_loop_runs_and_each_ver
                 seen_writing += int(any(int(seq) & 1 for seq in store.header[:2]))
                 await anyio.lowlevel.checkpoint()
 
-        async def update(value: float, versions: list[int]) -> None:
+        async def update(value: float, versions: dict[int, float]) -> None:
             weights = {"w": torch.full((size,), value)}
-            versions.append(await c.update_weights(weights, wait=False))
+            versions[await c.update_weights(weights, wait=False)] = value
 
-        stop, versions = anyio.Event(), []
+        stop, versions = anyio.Event(), {}
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch, stop)
-            async with anyio.create_task_group() as updates:
+            async with anyio.create_task_group() as updates:  # (which one gets version 1: the loop's choice)
                 updates.start_soon(update, 1.0, versions)
                 updates.start_soon(update, 2.0, versions)
             stop.set()
         assert seen_writing >= 2, "the loop should run while the store is written"
         assert sorted(versions) == [1, 2] and store.latest_version == 2
-        assert store.views[int(store.header[2])][0].eq(2.0).all()
+        assert store.views[int(store.header[2])][0].eq(versions[2]).all()
 
         with anyio.CancelScope() as scope:  # cancelled once its copy is under way
             async with anyio.create_task_group() as tg:
-                tg.start_soon(update, 3.0, [])
+                tg.start_soon(update, 3.0, {})
                 while not any(int(seq) & 1 for seq in store.header[:2]):
                     await anyio.lowlevel.checkpoint()
                 scope.cancel()
@@ -148,6 +148,38 @@ async def test_a_big_policy_is_written_in_parts_while_the_loop_runs_and_each_ver
             while not (batch["collector", "policy_version"] == 3).all():  # (applied at a batch boundary)
                 batch = await c.collect()
         assert (batch["weight_id"] == 3.0).all() and (batch["spread"] == 0).all()
+
+
+@pytest.mark.parametrize("targets", ["all", "one"])
+async def test_a_collector_closed_while_an_update_is_written_ends_the_update_cleanly(monkeypatch, targets):
+    """``aclose()`` while an update's copy is under way (into the shared store, or a worker's own;
+    the copy held until the collector closed): the update returns its version, nothing is left."""
+    from aiocollect._collector import weightsync
+
+    writing, closed = anyio.Event(), anyio.Event()
+    write = weightsync._write
+
+    async def held_write(*args):
+        writing.set()
+        await closed.wait()
+        await write(*args)
+
+    monkeypatch.setattr(weightsync, "_write", held_write)
+    net, policy = marked_policy()
+    c = Collector(counting, policy, frames_per_batch=16, num_workers=2, envs_per_worker=2, prefetch=0)
+    versions = []
+    with anyio.fail_after(60):
+        await c.collect()
+
+        async def update() -> None:
+            versions.append(await c.update_weights(net, worker_ids=None if targets == "all" else [1], wait=False))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(update)
+            await writing.wait()
+            await c.aclose()
+            closed.set()
+    assert versions == [1]
 
 
 async def test_update_at_each_batch_pulls_the_reference_policy():

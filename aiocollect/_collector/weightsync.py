@@ -581,15 +581,24 @@ class WeightSync:
         if self._writing is None:
             self._writing = anyio.Lock()
         async with self._writing:  # one write at a time: each version lands whole, and in order
-            stores = [(store if shared else await self._worker_store(store), state) for store, state in writes]
+            stores = []
+            for store, state in writes:
+                if not shared:
+                    if store not in self.workers:
+                        continue  # the run ended while this waited: no store to make for it
+                    store = await self._worker_store(store)
+                stores.append((store, state))
             with anyio.CancelScope(shield=True):  # (its number is made: it lands, then a cancel is raised)
                 version = self._next_version()
                 self.published_at[version] = time.perf_counter()
                 for store, state in stores:
                     await _write(store, state, version)
         for w in targets:
+            worker = self.workers.get(w)
+            if worker is None:
+                continue  # the run ended while this version was written
             try:
-                await self.workers[w].nudge()
+                await worker.nudge()
             except (BrokenWorkerError, LoopGone):
                 pass  # it died (its replacement, if any, reads the newest version when it starts), or collection ended
         return version
