@@ -82,7 +82,7 @@ def env_needs(env_fn: Any, env_kwargs: Any) -> tuple[str, ...]:
     """Of :data:`HEAVY`, those a worker imports to make its envs: what unpickling ``env_fn`` (a
     gymnasium id, a factory, or a list of them) and ``env_kwargs`` imports, and the modules of the
     ids' entry points."""
-    from . import pickling
+    from . import pickling, registry
 
     try:
         modules = modules_named(pickling.dumps((env_fn, env_kwargs)))
@@ -90,23 +90,8 @@ def env_needs(env_fn: Any, env_kwargs: Any) -> tuple[str, ...]:
         return ()
     for fn in env_fn if isinstance(env_fn, (list, tuple)) else (env_fn,):
         if isinstance(fn, str):
-            modules.update(_entry_point_modules(fn))
+            modules.update(registry.entry_modules(fn))
     return heavy_imports(modules)
-
-
-def _entry_point_modules(env_id: str) -> list[str]:
-    """The modules gymnasium imports to make ``env_id``: that of ``"module:EnvId"``, and that of
-    the id's entry point (``"module:Class"``, or a callable's) if its registry is loaded here (it
-    is not imported for this)."""
-    module, _, name = env_id.rpartition(":")
-    found = [module] if module else []
-    registry = getattr(sys.modules.get("gymnasium.envs.registration"), "registry", None)
-    entry = getattr(registry.get(name) if isinstance(registry, dict) else None, "entry_point", None)
-    if isinstance(entry, str):
-        found.append(entry.partition(":")[0])
-    elif isinstance(getattr(entry, "__module__", None), str):
-        found.append(entry.__module__)
-    return found
 
 
 def _builtin(module: types.ModuleType) -> bool:

@@ -135,6 +135,18 @@ def check_sendable(env_id: str, argument: str = "create_env_fn") -> None:
         _unsendable(argument, env_id, p.error)
 
 
+def entry_modules(env_id: str) -> list[str]:
+    """The modules gymnasium imports to make ``env_id``: that of ``"module:EnvId"``, and that of
+    the id's entry point (``"module:Class"``, or a callable's)."""
+    found = [env_id.split(":", 1)[0]] if ":" in env_id else []
+    entry = getattr(registration.registry.get(_bare_id(env_id)), "entry_point", None)
+    if isinstance(entry, str):
+        found.append(entry.partition(":")[0])
+    elif isinstance(getattr(entry, "__module__", None), str):
+        found.append(entry.__module__)
+    return found
+
+
 def _bare_id(env_id: str) -> str:
     """The id without the ``"module:"`` prefix of gymnasium's ``"module:EnvId"``."""
     return env_id.split(":", 1)[1] if ":" in env_id else env_id
