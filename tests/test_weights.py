@@ -4,6 +4,8 @@ half-written, acknowledged; every frame carries the version of the weights that 
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 
 import anyio
 import anyio.lowlevel
@@ -16,6 +18,7 @@ from tensordict.nn import TensorDictModule
 from aiocollect import AiocollectError, Collector, ConfigError
 from aiocollect.events import WeightsApplied, WeightsUpdated
 from aiocollect.testing import CountingEnv
+from conftest import _shm_in_use
 
 
 class Marked(torch.nn.Module):
@@ -150,6 +153,61 @@ async def test_a_big_policy_is_written_in_parts_while_the_loop_runs_and_each_ver
         assert (batch["weight_id"] == 3.0).all() and (batch["spread"] == 0).all()
 
 
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("where", ["copying", "waiting"])
+async def test_an_update_cancelled_by_task_cancel_lands_whole_and_leaves_nothing_mapped(monkeypatch, where):
+    """``task.cancel()`` (``asyncio.wait_for``'s timeout; a shield does not stop it) of an update
+    while its copy of a 4 MiB policy is under way, or while it waits for another update's copy: the
+    update being copied lands whole and the workers apply it, the cancellation is raised, and once
+    the collector is closed none of its shared memory is mapped, with the garbage collector off: no
+    reference cycle keeps the stores, or the batch the training loop held, until it runs."""
+    import asyncio
+
+    from aiocollect._collector import weightsync
+    from aiocollect._worker.weights import PART_BYTES
+
+    monkeypatch.setattr(weightsync, "WRITE_SLICE_S", 0.0)  # let the loop run after every part
+    size = 4 * PART_BYTES // 4
+    net, policy = marked_policy(size)
+    gc.collect()
+    gc.disable()
+    try:
+        async with Collector(counting, policy, frames_per_batch=16, num_workers=2, envs_per_worker=2,
+                             prefetch=0) as c:
+            batch = await c.collect()  # (held meanwhile, as a training loop holds it)
+            store = c._run.shared.sync.store
+
+            async def update(value: float) -> None:
+                await c.update_weights({"w": torch.full((size,), value)}, wait=False)
+
+            first = asyncio.ensure_future(update(1.0))
+            with anyio.fail_after(30):
+                while not any(int(seq) & 1 for seq in store.header[:2]):  # its copy is under way
+                    await asyncio.sleep(0)
+                if where == "copying":
+                    first.cancel()
+                    await asyncio.wait({first})
+                    assert first.cancelled()
+                else:
+                    second = asyncio.ensure_future(update(2.0))
+                    await asyncio.sleep(0)  # (waiting for the first one's copy)
+                    second.cancel()
+                    await asyncio.wait({first, second})
+                    assert second.cancelled() and first.exception() is None
+                    del second
+                del first
+                assert store.latest_version == 1 == c.policy_version
+                del store
+                batch = await c.collect()
+                while not (batch["collector", "policy_version"] == 1).all():  # (applied at a batch boundary)
+                    batch = await c.collect()
+            assert (batch["weight_id"] == 1.0).all() and (batch["spread"] == 0).all()
+        del batch
+        assert _shm_in_use() == []
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("targets", ["all", "one"])
 async def test_a_collector_closed_while_an_update_is_written_ends_the_update_cleanly(monkeypatch, targets):
     """``aclose()`` while an update's copy is under way (into the shared store, or a worker's own;
@@ -162,7 +220,7 @@ async def test_a_collector_closed_while_an_update_is_written_ends_the_update_cle
     async def held_write(*args):
         writing.set()
         await closed.wait()
-        await write(*args)
+        return await write(*args)
 
     monkeypatch.setattr(weightsync, "_write", held_write)
     net, policy = marked_policy()
@@ -504,6 +562,30 @@ def test_store_written_in_parts_is_seen_only_once_complete():
     for r, big in ((reader, net.big), (fresh, fresh.targets[0])):
         assert r.apply() == 5 and big.equal(torch.arange(net.big.numel(), dtype=torch.float32))
     assert net.small.eq(5).all()
+
+
+def test_a_released_store_is_unmapped_at_once_unless_a_write_holds_a_view_of_it():
+    """``release()`` (the run ended) unmaps a store in shared memory whoever refers to the store
+    object; while a write holds a view of it, it stays whole and readable until that write ends
+    and it is released again."""
+    from aiocollect._core import shm
+    from aiocollect._worker.weights import WeightReader, WeightStore
+
+    net = torch.nn.Module()
+    net.w = torch.nn.Parameter(torch.zeros(8))
+    reader = WeightReader(net)
+    fd, mapping = shm.allocate(reader.layout.nbytes, f"aiocollect-{os.getpid()}-test-weights")
+    os.close(fd)
+    store = WeightStore.create(reader.layout, mapping)
+    del mapping
+    store.publish({"w": torch.full((8,), 1.0)}, 1)
+    parts = store.publish_in_parts({"w": torch.full((8,), 2.0)}, 2)
+    next(parts)  # a write under way: its views are in use
+    assert not store.release() and store.closed and store.latest_version == 1
+    assert sum(1 for _ in parts) == 0 and store.latest_version == 2  # (it ends whole)
+    del parts
+    assert store.release() and store.buffer.closed and not _shm_in_use()
+    assert not store.release()  # (once)
 
 
 @pytest.mark.parametrize("order", ["shared first", "own first"])

@@ -348,19 +348,31 @@ def match_state(
 WRITE_SLICE_S = 0.0005  # a store is written in parts; the loop runs between them after this long
 
 
-async def _write(store: Any, state: Mapping[str, Any], version: int) -> None:
+async def _write(store: Any, state: Mapping[str, Any], version: int) -> BaseException | None:
     """``store.publish(state, version)``, letting the event loop run whenever a part of the
     copy has taken ``WRITE_SLICE_S`` since it last ran (a big policy: tens of milliseconds of
-    copying would stop everything else on the loop)."""
+    copying would stop everything else on the loop). Called shielded: the version lands whole;
+    a native ``task.cancel()``, which a shield lets through on asyncio, is returned, to be
+    raised once every store has it. Nothing is written into a store released meanwhile (the run
+    ended)."""
+    if store.closed:
+        return None
     parts = store.publish_in_parts(state, version)
+    cancelled: BaseException | None = None
     try:
         since = time.perf_counter()
         for _ in parts:
             if time.perf_counter() - since >= WRITE_SLICE_S:
-                await anyio.lowlevel.checkpoint()
+                try:
+                    await anyio.lowlevel.checkpoint()
+                except anyio.get_cancelled_exc_class() as exc:
+                    cancelled = exc
                 since = time.perf_counter()
     finally:
         parts.close()
+        if store.closed:  # the run ended during the write: unmapped now that the write let go of it
+            store.release()
+    return cancelled
 
 
 class WeightSync:
@@ -386,7 +398,7 @@ class WeightSync:
         self._changed = anyio.Event()  # set (and replaced) at each acknowledgement
         self._fds: list[int] = []  # the stores' memfds: kept for workers that replace failed ones
         self.watch: InPlaceWatch | None = None  # the constructor's policy, watched for unpublished training
-        self._writing: anyio.Lock | None = None  # held while a version is written into the stores
+        self._writing: anyio.Event | None = None  # while a version is written into the stores: set at its end
 
     def setup(self, layouts: list[Any], workers: list[Any]) -> dict[int, tuple[int, ...]]:
         """Workers' policy layouts known: make the shared store if they all have the same one.
@@ -416,7 +428,10 @@ class WeightSync:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-        self.store = None  # unmapped once nothing refers to it
+        for store in (self.store, *self.worker_stores.values()):
+            if store is not None:  # unmapped now (a write still under way: once it ends)
+                store.release()
+        self.store = None
         self.worker_stores.clear()
         self.workers = {}
         self.server = None
@@ -578,9 +593,14 @@ class WeightSync:
                 if layout not in by_layout:  # workers with the same policy layout: matched once
                     by_layout[layout] = self._state_for(layout, updates, None if self.store else w)
                 writes.append((w, by_layout[layout]))
-        if self._writing is None:
-            self._writing = anyio.Lock()
-        async with self._writing:  # one write at a time: each version lands whole, and in order
+        # one write at a time, so that each version lands whole and in order. (Not anyio.Lock: a
+        # task.cancel() landing in its acquire() leaves a reference cycle through the task, which
+        # keeps the stores and the caller's last batch mapped until the garbage collector runs.)
+        while self._writing is not None:
+            await self._writing.wait()
+        self._writing = writing = anyio.Event()
+        cancelled: BaseException | None = None
+        try:
             stores = []
             for store, state in writes:
                 if not shared:
@@ -592,7 +612,15 @@ class WeightSync:
                 version = self._next_version()
                 self.published_at[version] = time.perf_counter()
                 for store, state in stores:
-                    await _write(store, state, version)
+                    cancelled = await _write(store, state, version) or cancelled
+        finally:
+            self._writing = None
+            writing.set()
+        if cancelled is not None:
+            try:
+                raise cancelled
+            finally:
+                cancelled = None  # (no cycle through this frame)
         for w in targets:
             worker = self.workers.get(w)
             if worker is None:

@@ -143,16 +143,22 @@ class WeightStore:
     """One store: either side (the collector writes, workers read)."""
 
     def __init__(self, layout: WeightLayout, buffer: Any) -> None:
-        import torch
-
         self.fd: int | None = None  # the memfd of a store in shared memory (closed with the run)
+        self.closed = False  # released: nothing is written into it any more
         self.layout = layout
         self.buffer = buffer
+        self.index = {name: i for i, name in enumerate(layout.names)}
+        self._map()
+
+    def _map(self) -> None:
+        """The views of the buffer: its header, change marks and each buffer's tensors."""
+        import torch
+
+        layout, buffer = self.layout, self.buffer
         n = len(layout.names)
         self.header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
         meta = np.frombuffer(buffer, dtype=np.int64, count=2 * n, offset=8 * _HEADER_WORDS)
         self.changed = (meta[:n], meta[n:])  # per buffer, per tensor: the version that last changed it
-        self.index = {name: i for i, name in enumerate(layout.names)}
         self.views: list[list[Any]] = []
         for b in range(2):
             base = layout.meta_nbytes + b * layout.buffer_nbytes
@@ -210,6 +216,24 @@ class WeightStore:
         h[3 + b] = version
         h[b] += 1  # even: complete
         h[2] = b
+
+    def release(self) -> bool:
+        """Unmap a store in shared memory now (its memory is freed once no process maps it),
+        whoever still refers to this object: a cancelled task's traceback keeps the frames of a
+        write, and the cycle it is in lasts until the garbage collector runs. Not while a view
+        of it is in use elsewhere (a write under way): then it stays as it is, unmapped with the
+        last view (call it again then). Returns whether it was unmapped."""
+        self.closed = True
+        buffer = self.buffer
+        if not isinstance(buffer, mmap.mmap) or buffer.closed:
+            return False
+        self.header = self.changed = self.views = None  # type: ignore[assignment]
+        try:
+            buffer.close()  # (also closes the mapping's own duplicate of the fd)
+        except BufferError:  # exported: a view is in use
+            self._map()
+            return False
+        return True
 
     @property
     def latest_version(self) -> int:
