@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -369,10 +369,12 @@ class LimitPool:
     on the same cores. A drift of the
     machine's speed (this VM's moves by 10-50% within a minute) then hits both alike, where
     setups measured one after the other each see a different machine. Each process adds to a
-    counter of its own (no lock that a stopped process could hold)."""
+    counter of its own (no lock that a stopped process could hold). ``on_stop`` is called once
+    the processes are told to stop (say, to break a barrier they wait at)."""
 
-    def __init__(self, target: Any, args_of: Any, workers: int) -> None:
+    def __init__(self, target: Any, args_of: Any, workers: int, on_stop: Callable[[], Any] | None = None) -> None:
         ctx = mp.get_context("spawn")
+        self._on_stop = on_stop
         self.counters = [ctx.RawValue("q", 0) for _ in range(workers)]
         self._readies = [ctx.Event() for _ in range(workers)]
         self._go, self._stop = ctx.Event(), ctx.Event()
@@ -417,12 +419,58 @@ class LimitPool:
         signal_all([p.pid for p in self.procs], signal.SIGCONT)  # (first: setting an event waits for them)
         self._stop.set()
         self._go.set()
+        if self._on_stop is not None:
+            self._on_stop()
         for p in self.procs:
             if p.pid is not None:
                 p.join(5.0)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def meet(barrier: Any) -> bool:
+    """In a limit's process of :func:`lockstep_slices`: wait at ``barrier`` for the others; False
+    once the pool is closing (it breaks the barrier)."""
+    import threading
+
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        return False
+    return True
+
+
+def lockstep_slices(limit: LimitPool, target: Any, args_of: Any, workers: int, turns: int, turn_s: float) -> Slices:
+    """The limit's processes meeting at a barrier (``target(*args_of(rank, barrier), ...)`` calls
+    :func:`meet` every so many steps), taking turns with the free-running ``limit``'s as a setup
+    does: what waiting for one another at each batch costs, with no collector at all."""
+    import anyio
+
+    barrier = mp.get_context("spawn").Barrier(workers)
+    with LimitPool(target, lambda rank: args_of(rank, barrier), workers, on_stop=barrier.abort) as lockstep:
+        slices = anyio.run(alternate, limit, [p.pid for p in lockstep.procs], lockstep.frames, turns, turn_s)
+    log(f"  -> {slices.fps('setup'):,.0f} frames/s against the limit's {slices.fps('limit'):,.0f}: "
+        f"{slices.ratio():.2f}" + ("" if slices.per_core() is None else f" (per core {slices.per_core():.2f})"))
+    return slices
+
+
+def over_lockstep(out: dict[str, Any], lockstep: str, steps: int) -> None:
+    """After :func:`report_slices`: say what the ``lockstep`` row is, and each ``aiocollect sync``
+    row over it (ratio and per-core ratio, added to ``out`` as ``over_lockstep`` and
+    ``per_core_over_lockstep``)."""
+    log(f"{lockstep}: the limit's processes meeting every {steps} steps (each one's share of a batch), as sync "
+        "delivery's\n  workers do at each batch, with no collector: what waiting for one another costs by itself")
+    meeting = out[lockstep]
+    for name, r in out.items():
+        if not name.startswith("aiocollect sync"):
+            continue
+        r["over_lockstep"] = r["ratio"] / meeting["ratio"]
+        line = f"{name} over the {lockstep}: {r['over_lockstep']:.2f}"
+        if r["per_core"] is not None and meeting["per_core"]:
+            r["per_core_over_lockstep"] = r["per_core"] / meeting["per_core"]
+            line += f" (per core {r['per_core_over_lockstep']:.2f})"
+        log(line)
 
 
 def signal_all(pids: Any, sig: int) -> None:
@@ -471,9 +519,10 @@ class Slices:
         return abs(a - b) / max(a, b)
 
 
-def report_slices(rows: list[tuple[str, Slices, int, int]], width: int) -> dict[str, Any]:
+def report_slices(rows: Sequence[tuple[str, Slices, int | None, int | None]], width: int) -> dict[str, Any]:
     """Print one line per setup of a sliced comparison, ``(name, slices, batches copied, batches
-    delivered)``, under a header; returns the figures by name."""
+    delivered)`` (``None`` for a setup without batches), under a header; returns the figures by
+    name."""
     head = ("limit f/s", "setup f/s", "ratio", "per-core", "turn ratios min / median / max", "limit drift",
             "copied batches")
     log(f"{'setup':<{width}}" + "".join(f"  {h}" for h in head))
@@ -484,7 +533,7 @@ def report_slices(rows: list[tuple[str, Slices, int, int]], width: int) -> dict[
         cells = (f"{slices.fps('limit'):,.0f}", f"{slices.fps('setup'):,.0f}", f"{slices.ratio():.2f}",
                  "n/a" if per_core is None else f"{per_core:.2f}",
                  f"{pairs[0]:.2f} / {pairs[len(pairs) // 2]:.2f} / {pairs[-1]:.2f}", f"{slices.limit_drift():.0%}",
-                 f"{copied} of {batches}")
+                 "-" if batches is None else f"{copied} of {batches}")
         log(f"{name:<{width}}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
         out[name] = {"limit_fps": slices.fps("limit"), "fps": slices.fps("setup"), "ratio": slices.ratio(),
                      "per_core": per_core, "turn_ratios": pairs, "limit_drift": slices.limit_drift(),

@@ -35,7 +35,9 @@ stopped with SIGSTOP): a drift of this VM's speed then hits both alike, where se
 after the other each see a different machine. It prints, per setup, both rates over all turns,
 their ratio, the spread of the per-turn ratios, how much the limit drifted (its first third of
 turns against its last) and how many batches were copied. gymnasium's ``AsyncVectorEnv`` is not
-measured in this mode.
+measured in this mode. A first row, **limit meeting at each batch**, is the limit's processes
+meeting at a barrier after each one's share of a batch, as sync delivery's workers do (no
+collector): what waiting for one another costs by itself; each sync row is also given over it.
 
 Run (needs the ``atari`` extra, ale-py and OpenCV: ``bash scripts/run.sh pixels`` installs it)::
 
@@ -68,6 +70,9 @@ from _util import (  # noqa: E402
     Result,
     Slices,
     collect_taking_turns,
+    lockstep_slices,
+    meet,
+    over_lockstep,
     report_slices,
     become_subreaper,
     child_signals,
@@ -81,6 +86,7 @@ from _util import (  # noqa: E402
 
 SEED = 0
 OBS_FORMATS = ("raw", "84x84x4")
+LOCKSTEP = "limit meeting at each batch"
 
 
 def make_pong(obs: str = "raw") -> gym.Env:
@@ -100,6 +106,18 @@ def make_pong(obs: str = "raw") -> gym.Env:
 
 
 def _limit_worker(rank: int, num_envs: int, obs: str, counter: Any, ready: Any, go: Any, stop: Any) -> None:
+    _limit_loop(rank, num_envs, obs, 1, None, counter, ready, go, stop)
+
+
+def _lockstep_worker(rank: int, num_envs: int, obs: str, steps: int, barrier: Any, counter: Any, ready: Any, go: Any,
+                     stop: Any) -> None:
+    """The limit's loop, its processes meeting at ``barrier`` every ``steps`` steps, as sync
+    delivery's workers do at each batch."""
+    _limit_loop(rank, num_envs, obs, steps, barrier, counter, ready, go, stop)
+
+
+def _limit_loop(rank: int, num_envs: int, obs: str, steps: int, barrier: Any, counter: Any, ready: Any, go: Any,
+                stop: Any) -> None:
     envs = [make_pong(obs) for _ in range(num_envs)]
     for i, env in enumerate(envs):
         env.reset(seed=SEED + rank * num_envs + i)
@@ -108,11 +126,14 @@ def _limit_worker(rank: int, num_envs: int, obs: str, counter: Any, ready: Any, 
     go.wait()
     try:
         while not stop.is_set():
-            for env in envs:
-                _, _, terminated, truncated, _ = env.step(env.action_space.sample())
-                if terminated or truncated:
-                    env.reset()
-            counter.value += num_envs
+            for _ in range(steps):
+                for env in envs:
+                    _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+                    if terminated or truncated:
+                        env.reset()
+                counter.value += num_envs
+            if barrier is not None and not meet(barrier):
+                break
     finally:
         for env in envs:
             env.close()
@@ -244,6 +265,11 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
     rows = []
     with LimitPool(_limit_worker, lambda rank: (rank, args.envs_per_worker, obs), args.workers) as limit:
         keep = frozenset(p.pid for p in limit.procs)
+        steps = max(1, args.frames_per_batch // (args.workers * args.envs_per_worker))
+        log(f"[{obs}] {LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with "
+            "the limit ...")
+        rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
+            rank, args.envs_per_worker, obs, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
         for delivery, zero_copy in setups:
             name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
             log(f"[{obs}] {name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
@@ -265,7 +291,9 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
     log("")
     log(f"{obs}: {args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch; each setup "
         f"took {args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
-    return {"obs": obs, "sliced": True, "results": report_slices(rows, 28)}
+    out = report_slices(rows, 28)
+    over_lockstep(out, LOCKSTEP, steps)
+    return {"obs": obs, "sliced": True, "results": out}
 
 
 # --------------------------------------------------------------------------------------------------

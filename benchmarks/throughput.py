@@ -59,7 +59,10 @@ With ``--sliced`` each aiocollect setup instead takes turns with the limit on th
 stopped with SIGSTOP), so that a drift of the machine's speed hits both alike: per setup, both rates
 over all turns, their ratio, the per-core ratio (from the CPU time read between turns, both sides
 stopped), the spread of the per-turn ratios and the limit's drift. No baselines, loop lag or time to
-first batch in that mode.
+first batch in that mode. A first row, **limit meeting at each batch**, is the limit's processes
+meeting at a barrier every ``frames_per_batch / (workers * envs_per_worker)`` steps, as the workers of
+``delivery="sync"`` (``prefetch=0``) meet at each batch, with no collector: what waiting for one
+another costs by itself. Each sync row is also given over it.
 
 Every process the benchmark starts is stopped before it exits (also on Ctrl-C, SIGTERM or an error); a
 section that leaves processes behind is reported with a warning and they are terminated. Options:
@@ -95,12 +98,16 @@ from _util import (
     LimitPool,
     Meter,
     Result,
+    alternate,
     become_subreaper,
     child_signals,
     collect_taking_turns,
     descendants,
     log,
+    lockstep_slices,
     machine,
+    meet,
+    over_lockstep,
     machine_line,
     percentiles_ms,
     reap,
@@ -114,6 +121,7 @@ SEED = 0
 OBS_DIM = 4
 TICK_S = 0.001
 TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
+LOCKSTEP = "limit meeting at each batch"
 
 
 def make_policy() -> ArgmaxMLP:
@@ -135,6 +143,21 @@ def _limit_worker(
     go: Any,
     stop: Any,
 ) -> None:
+    _limit_loop(rank, num_envs, state_dict, 1, None, counter, ready, go, stop)
+
+
+def _lockstep_worker(
+    rank: int, num_envs: int, state_dict: dict[str, torch.Tensor], steps: int, barrier: Any,
+    counter: Any, ready: Any, go: Any, stop: Any,
+) -> None:
+    """The limit's loop, but the processes meet at ``barrier`` every ``steps`` steps (each one's
+    share of a batch), as the workers of ``delivery="sync"`` with ``prefetch=0`` meet at each
+    batch; no collector, no messages, no storage: what waiting for one another costs by itself."""
+    _limit_loop(rank, num_envs, state_dict, steps, barrier, counter, ready, go, stop)
+
+
+def _limit_loop(rank: int, num_envs: int, state_dict: dict[str, torch.Tensor], steps: int, barrier: Any,
+                counter: Any, ready: Any, go: Any, stop: Any) -> None:
     torch.set_num_threads(1)
     policy = ArgmaxMLP()
     policy.load_state_dict(state_dict)
@@ -145,13 +168,16 @@ def _limit_worker(
     try:
         with torch.no_grad():
             while not stop.is_set():
-                actions = policy(torch.from_numpy(np.stack(obs))).tolist()
-                for i, env in enumerate(envs):
-                    o, _, terminated, truncated, _ = env.step(actions[i])
-                    if terminated or truncated:
-                        o, _ = env.reset()
-                    obs[i] = o
-                counter.value += num_envs
+                for _ in range(steps):
+                    actions = policy(torch.from_numpy(np.stack(obs))).tolist()
+                    for i, env in enumerate(envs):
+                        o, _, terminated, truncated, _ = env.step(actions[i])
+                        if terminated or truncated:
+                            o, _ = env.reset()
+                        obs[i] = o
+                    counter.value += num_envs
+                if barrier is not None and not meet(barrier):
+                    break
     finally:
         for env in envs:
             env.close()
@@ -378,6 +404,12 @@ def run_sliced(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any) 
     rows = []
     with LimitPool(_limit_worker, lambda rank: (rank, args.envs_per_worker, state), args.workers) as limit:
         keep = frozenset(p.pid for p in limit.procs)
+        # the limit meeting at each batch: its processes take turns with the free-running limit's
+        steps = max(1, args.frames_per_batch // (args.workers * args.envs_per_worker))
+        log(f"{LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
+        slices = lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (rank, args.envs_per_worker, state, steps,
+                                 barrier), args.workers, args.turns, args.turn_seconds)
+        rows.append((LOCKSTEP, slices, None, None))
         for delivery in ("sync", "async"):
             for prefetch in args.prefetch:
                 name = f"aiocollect {delivery}" + ("" if prefetch is None else f" prefetch={prefetch}")
@@ -398,7 +430,9 @@ def run_sliced(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any) 
     log("")
     log(f"{args.workers} workers x {args.envs_per_worker} envs, {args.frames_per_batch} frames/batch; each setup "
         f"took {args.turns} turns of {args.turn_seconds:g} s with the limit (the other side stopped)")
-    return report_slices(rows, 36)
+    out = report_slices(rows, 36)
+    over_lockstep(out, LOCKSTEP, steps)
+    return out
 
 
 # one tree's aiocollect in a child process (--compare-with): the child runs this file with

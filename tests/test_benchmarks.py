@@ -185,21 +185,31 @@ def test_throughput_benchmark_measures_each_prefetch_side_by_side():
 
 @pytest.mark.timeout(300)
 def test_sliced_throughput_reports_ratio_and_per_core_ratio_of_each_setup(tmp_path):
-    """benchmarks/throughput.py --sliced at a tiny scale: each delivery takes turns with the limit
+    """benchmarks/throughput.py --sliced at a tiny scale: the limit meeting at each batch (its
+    processes at a barrier every 16 steps here) and each delivery take turns with the limit
     (SIGSTOP and SIGCONT), a row each with both rates, the ratio and the per-core ratio (frames per
-    CPU-second of its processes over the limit's), the same in its JSON in the form compare_trees.py
-    reads, and no process left."""
+    CPU-second of its processes over the limit's), sync's figures over the meeting limit's, the
+    same in its JSON in the form compare_trees.py reads, and no process left (the barrier is broken
+    at the end, not waited out)."""
     path = tmp_path / "sliced.json"
     out = run_script("throughput.py", "--sliced", "--turns", "2", "--turn-seconds", "0.3", "--warmup", "0.1",
-                     "--workers", "1", "--envs-per-worker", "2", "--frames-per-batch", "64", "--json", str(path),
+                     "--workers", "2", "--envs-per-worker", "2", "--frames-per-batch", "64", "--json", str(path),
                      timeout=280)
-    for delivery in ("sync", "async"):
-        assert re.search(rf"^aiocollect {delivery}\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ / ", out, re.M), out
+    for name in ("limit meeting at each batch", "aiocollect sync", "aiocollect async"):
+        assert re.search(rf"^{name}\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ / ", out, re.M), out
+    assert "every 16 steps" in out, out
+    assert re.search(r"^aiocollect sync over the limit meeting at each batch: [\d.]+ \(per core [\d.]+\)$", out, re.M), out
     assert "still running" not in out, out
     data = json.loads(path.read_text())
-    assert set(data["results"]) == {"aiocollect sync", "aiocollect async"}
-    assert all(r["ratio"] > 0 and r["per_core"] > 0 for r in data["results"].values())
-    assert {r["name"] for r in data["per_core"].values()} == {"aiocollect sync, per core", "aiocollect async, per core"}
+    results = data["results"]
+    assert set(results) == {"limit meeting at each batch", "aiocollect sync", "aiocollect async"}
+    assert all(r["ratio"] > 0 and r["per_core"] > 0 for r in results.values())
+    sync, meeting = results["aiocollect sync"], results["limit meeting at each batch"]
+    assert sync["over_lockstep"] == pytest.approx(sync["ratio"] / meeting["ratio"])
+    assert sync["per_core_over_lockstep"] == pytest.approx(sync["per_core"] / meeting["per_core"])
+    assert meeting["batches"] is None and "over_lockstep" not in results["aiocollect async"]
+    assert {r["name"] for r in data["per_core"].values()} == {
+        "limit meeting at each batch, per core", "aiocollect sync, per core", "aiocollect async, per core"}
 
 
 @pytest.mark.timeout(240)
