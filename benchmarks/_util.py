@@ -459,9 +459,11 @@ def over_lockstep(out: dict[str, Any], lockstep: str, steps: int) -> None:
     """After :func:`report_slices`: say what the ``lockstep`` row is, and each ``aiocollect sync``
     row over it (ratio and per-core ratio, added to ``out`` as ``over_lockstep`` and
     ``per_core_over_lockstep``)."""
+    meeting = out.get(lockstep)
+    if meeting is None:  # (it failed: said so where it did)
+        return
     log(f"{lockstep}: the limit's processes meeting every {steps} steps (each one's share of a batch), as sync "
         "delivery's\n  workers do at each batch, with no collector: what waiting for one another costs by itself")
-    meeting = out[lockstep]
     for name, r in out.items():
         if not name.startswith("aiocollect sync"):
             continue

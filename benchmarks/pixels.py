@@ -268,8 +268,11 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
         steps = max(1, args.frames_per_batch // (args.workers * args.envs_per_worker))
         log(f"[{obs}] {LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with "
             "the limit ...")
-        rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
-            rank, args.envs_per_worker, obs, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
+        try:
+            rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
+                rank, args.envs_per_worker, obs, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
+        except Exception as exc:  # noqa: BLE001 - the collector's setups are measured all the same
+            log(f"  -> FAILED: {_describe(exc)}")
         for delivery, zero_copy in setups:
             name = f"aiocollect {delivery}" + (" zero_copy" if zero_copy else "")
             log(f"[{obs}] {name}: {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")

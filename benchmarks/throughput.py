@@ -407,9 +407,11 @@ def run_sliced(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any) 
         # the limit meeting at each batch: its processes take turns with the free-running limit's
         steps = max(1, args.frames_per_batch // (args.workers * args.envs_per_worker))
         log(f"{LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
-        slices = lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (rank, args.envs_per_worker, state, steps,
-                                 barrier), args.workers, args.turns, args.turn_seconds)
-        rows.append((LOCKSTEP, slices, None, None))
+        try:
+            rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
+                rank, args.envs_per_worker, state, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
+        except Exception as exc:  # noqa: BLE001 - the collector's setups are measured all the same
+            log(f"  -> FAILED: {_describe(exc)}")
         for delivery in ("sync", "async"):
             for prefetch in args.prefetch:
                 name = f"aiocollect {delivery}" + ("" if prefetch is None else f" prefetch={prefetch}")
