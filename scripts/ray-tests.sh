@@ -4,6 +4,7 @@
 # dependencies .venv lacks. .venv itself is left as the README's install makes it, so that the main
 # suite can run at the same time (scripts/run.sh test runs this beside it).
 #   bash scripts/ray-tests.sh [pytest args]   set up if needed, then run tests/test_ray.py
+#   bash scripts/ray-tests.sh setup           set up only (scripts/run.sh test does it beside the main suite)
 # Needs .venv set up first (scripts/run.sh does that). Ray's wheel is taken from .venv/ray-wheels
 # where scripts/run.sh downloaded it, else from the package index.
 set -euo pipefail
@@ -32,4 +33,7 @@ if [ ! -f "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ] || [ "$BASE/.ai
   touch "$stamp"
 fi
 "$VENV/bin/python" -c 'import aiocollect, ray, torch; print(f"[ray] Ray {ray.__version__}, torch {torch.__version__}, aiocollect from {aiocollect.__file__}")'
+if [ "${1:-}" = setup ]; then
+  exit 0
+fi
 exec "$VENV/bin/python" -m pytest tests/test_ray.py -p no:cacheprovider "$@"
