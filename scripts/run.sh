@@ -50,8 +50,9 @@ case "$cmd" in
     # venv's dependencies, and Ray's set-up (its wheel, ~80 MB, downloaded, then installed into
     # .venv-ray, so .venv stays as the README's install makes it). Each in a process group of its
     # own (setsid), stopped with whatever it started if this script stops first. Ray's tests run
-    # after the suite: beside it, both took longer than one after the other (2 cores: the suite
-    # 25.6 min with them beside it, 16.3 min alone; theirs 9.2 min beside it, 5.1 min alone).
+    # after the suite: beside it, both took longer (a fresh clone on 2 cores, one run each: the
+    # suite 25.6 min with them beside it, 19.5 min after; theirs 9.2 and 4.6 min; in all 29.1 and
+    # 27.2 min).
     logs="$VENV/test-logs"
     mkdir -p "$logs"
     trap 'for job in $(jobs -p); do kill -- "-$job" 2>/dev/null || true; done' EXIT
