@@ -26,6 +26,10 @@ launcher running), ``--repeat`` runs each (default 5, interleaved), printed as t
 * **second collector**: in the same script, after the first collector closed, a second identical
   one: ``Collector(...)`` -> first batch (the launcher is still there, workers are forks of it).
 
+The children inherit this process's environment: with ``PYTHONDONTWRITEBYTECODE`` set (as in many
+container images), an editable install's modules are compiled at every import, which the output
+says at its end; an installed package's bytecode is written when pip installs it.
+
 Run (about a minute and a half; the machine's load matters: the min - max range shows the noise)::
 
     .venv/bin/python benchmarks/startup.py [--repeat 5] [--workers 2] [--json benchmarks/results/startup.json]
@@ -34,6 +38,7 @@ Run (about a minute and a half; the machine's load matters: the min - max range 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -46,6 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import become_subreaper, descendants, log, machine, machine_line, reap  # noqa: E402
 
 MARK = "@@startup "
+BYTECODE_WARNING = (
+    "PYTHONDONTWRITEBYTECODE is set and aiocollect has no bytecode (an editable install): every child "
+    "compiled its modules at each import, as an installed package's never are; unset it for the imports "
+    "users get"
+)
 CLOCK = "time.clock_gettime(time.CLOCK_MONOTONIC)"  # system-wide: comparable across processes
 
 # (row, statements): each statement timed in one fresh child, in order
@@ -146,9 +156,24 @@ def measure_first_batch(policy: str, workers: int = 2) -> dict[str, float]:
     }
 
 
+def _has_bytecode(package: str) -> bool:
+    """Whether ``package``'s ``__init__`` has its bytecode cached (found without importing it)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return True  # (not there, or not from source: nothing to compile)
+    return os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
+def bytecode_note() -> str | None:
+    """What the output says at its end when the children compiled aiocollect at each import."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not _has_bytecode("aiocollect"):
+        return BYTECODE_WARNING
+    return None
+
+
 def _label(policy: str, workers: int, counts: list[int]) -> str:
     """The row's name: the policy, and the number of workers when more than one is measured."""
-    return policy if counts == [2] else f"{policy}, {workers} workers"
+    return policy if counts == [2] else f"{policy}, {workers} worker{'s' if workers != 1 else ''}"
 
 
 def _policy_words(label: str) -> str:
@@ -217,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{f'second collector, same process, {name}':<42}{_span(runs, 'second_collector')}")
     log(f"load average (1 min) at the start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}; "
         f"AIOCOLLECT_NO_PREFORK={os.environ.get('AIOCOLLECT_NO_PREFORK') or 'unset'}")
+    note = bytecode_note()
+    if note:
+        log(note)
 
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -236,3 +236,40 @@ def test_step_cost_benchmark_with_idle_turns_adds_their_rows_and_the_comparison(
     assert re.search(r"^turns after 1 ms asleep, 2 envs: a step of the limit costs [+-]\d+% CPU, of the rollout "
                      r"[+-]\d+%", out, re.M), out
     assert "no-op env and policy, 2 envs, idle" not in out
+
+
+@pytest.mark.timeout(240)
+def test_startup_benchmark_times_each_part_from_fresh_processes(tmp_path):
+    """benchmarks/startup.py, one round at 1 worker: the imports, launch -> first batch of both
+    policies, what that is beyond ``import torch``, the second collector, and the raw figures in
+    its JSON."""
+    path = tmp_path / "startup.json"
+    out = run_script("startup.py", "--repeat", "1", "--workers", "1", "--json", str(path), timeout=220)
+    span = r"\s+[\d.]+ s  \[[\d.]+ - [\d.]+\]$"
+    for row in ("import torch", "from aiocollect import Collector", "launch -> first batch, random policy, 1 worker",
+                "launch -> first batch, MLP policy, 1 worker", "second collector, same process, MLP, 1 worker"):
+        assert re.search(rf"^{re.escape(row)}{span}", out, re.M), out
+    assert len(re.findall(r"^first batch beyond import torch, (random|MLP), 1 worker +[+-][\d.]+ s$", out, re.M)) == 2, out
+    data = json.loads(path.read_text())
+    assert sorted(data["first_batch"]) == ["MLP, 1 worker", "random, 1 worker"]
+    assert all(len(runs) == 1 and runs[0]["launch_to_first_batch"] > runs[0]["imports_done"] > 0
+               for runs in data["first_batch"].values())
+
+
+def test_startup_benchmark_says_when_an_editable_install_compiles_at_each_import(monkeypatch, tmp_path):
+    """With ``PYTHONDONTWRITEBYTECODE`` set and no bytecode for aiocollect (an editable install),
+    every child compiles aiocollect's modules: found without importing the package, and said."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import startup
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))  # (where no bytecode is)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert not startup._has_bytecode("aiocollect") and startup._has_bytecode("no_such_package_here")
+    note = startup.bytecode_note()
+    assert note is not None and "PYTHONDONTWRITEBYTECODE is set" in note and "unset it" in note
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    assert startup.bytecode_note() is None
+    assert [startup._label("MLP", n, [1, 2]) for n in (1, 2)] == ["MLP, 1 worker", "MLP, 2 workers"]
+    assert startup._label("MLP", 2, [2]) == "MLP"
