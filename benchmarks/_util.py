@@ -25,6 +25,19 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # count them.
 MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 HELPERS = (*MP_HELPERS, "aiocollect._backends.launcher")
+LOCKSTEP = "limit meeting at each batch"  # the row of :func:`lockstep_slices`
+
+
+def limit_step(policy: nn.Module, envs: Sequence[Any], obs: list[Any]) -> None:
+    """One step of the limit's loop (``throughput.py``, ``step_cost.py``): one batched forward of
+    ``obs`` (under the caller's ``torch.no_grad``), then each env's step, reset where its episode
+    ended; the observations go back into ``obs``."""
+    actions = policy(torch.from_numpy(np.stack(obs))).tolist()
+    for i, env in enumerate(envs):
+        o, _, terminated, truncated, _ = env.step(actions[i])
+        if terminated or truncated:
+            o, _ = env.reset()
+        obs[i] = o
 
 
 class ArgmaxMLP(nn.Module):

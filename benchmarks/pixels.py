@@ -70,6 +70,7 @@ from _util import (  # noqa: E402
     Result,
     Slices,
     collect_taking_turns,
+    LOCKSTEP,
     lockstep_slices,
     meet,
     over_lockstep,
@@ -86,7 +87,6 @@ from _util import (  # noqa: E402
 
 SEED = 0
 OBS_FORMATS = ("raw", "84x84x4")
-LOCKSTEP = "limit meeting at each batch"
 
 
 def make_pong(obs: str = "raw") -> gym.Env:
@@ -109,15 +109,10 @@ def _limit_worker(rank: int, num_envs: int, obs: str, counter: Any, ready: Any, 
     _limit_loop(rank, num_envs, obs, 1, None, counter, ready, go, stop)
 
 
-def _lockstep_worker(rank: int, num_envs: int, obs: str, steps: int, barrier: Any, counter: Any, ready: Any, go: Any,
-                     stop: Any) -> None:
-    """The limit's loop, its processes meeting at ``barrier`` every ``steps`` steps, as sync
-    delivery's workers do at each batch."""
-    _limit_loop(rank, num_envs, obs, steps, barrier, counter, ready, go, stop)
-
-
 def _limit_loop(rank: int, num_envs: int, obs: str, steps: int, barrier: Any, counter: Any, ready: Any, go: Any,
                 stop: Any) -> None:
+    """The limit's loop in one process; with a ``barrier`` (:func:`_util.lockstep_slices`), the
+    processes meet there every ``steps`` steps, as sync delivery's workers do at each batch."""
     envs = [make_pong(obs) for _ in range(num_envs)]
     for i, env in enumerate(envs):
         env.reset(seed=SEED + rank * num_envs + i)
@@ -269,7 +264,7 @@ def run_sliced(args: argparse.Namespace, obs: str) -> dict[str, Any]:
         log(f"[{obs}] {LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with "
             "the limit ...")
         try:
-            rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
+            rows.append((LOCKSTEP, lockstep_slices(limit, _limit_loop, lambda rank, barrier: (
                 rank, args.envs_per_worker, obs, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
         except Exception as exc:  # noqa: BLE001 - the collector's setups are measured all the same
             log(f"  -> FAILED: {_describe(exc)}")

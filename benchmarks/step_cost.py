@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import ArgmaxMLP, log, machine, machine_line  # noqa: E402
+from _util import ArgmaxMLP, limit_step, log, machine, machine_line  # noqa: E402
 
 from aiocollect._core import pickling  # noqa: E402
 from aiocollect._core.layout import SlotLayout, frame_leaves  # noqa: E402
@@ -90,19 +90,14 @@ class NoOpPolicy(torch.nn.Module):
 
 
 def limit_loop(make_env: Callable[[], gym.Env], policy: torch.nn.Module, E: int) -> Callable[[int], None]:
-    """``run(steps)``: the limit's loop (``throughput.py``'s ``_limit_worker``) on its own envs."""
+    """``run(steps)``: the limit's loop (:func:`_util.limit_step`, as ``throughput.py``'s) on its own envs."""
     envs = [make_env() for _ in range(E)]
     obs = [env.reset(seed=SEED + i)[0] for i, env in enumerate(envs)]
 
     def run(steps: int) -> None:
         with torch.no_grad():
             for _ in range(steps):
-                actions = policy(torch.from_numpy(np.stack(obs))).tolist()
-                for i, env in enumerate(envs):
-                    o, _, terminated, truncated, _ = env.step(actions[i])
-                    if terminated or truncated:
-                        o, _ = env.reset()
-                    obs[i] = o
+                limit_step(policy, envs, obs)
 
     return run
 

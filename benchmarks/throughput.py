@@ -103,7 +103,9 @@ from _util import (
     child_signals,
     collect_taking_turns,
     descendants,
+    limit_step,
     log,
+    LOCKSTEP,
     lockstep_slices,
     machine,
     meet,
@@ -121,7 +123,6 @@ SEED = 0
 OBS_DIM = 4
 TICK_S = 0.001
 TTFB_MARKER = "AIOCOLLECT_TTFB_JSON "
-LOCKSTEP = "limit meeting at each batch"
 
 
 def make_policy() -> ArgmaxMLP:
@@ -146,18 +147,10 @@ def _limit_worker(
     _limit_loop(rank, num_envs, state_dict, 1, None, counter, ready, go, stop)
 
 
-def _lockstep_worker(
-    rank: int, num_envs: int, state_dict: dict[str, torch.Tensor], steps: int, barrier: Any,
-    counter: Any, ready: Any, go: Any, stop: Any,
-) -> None:
-    """The limit's loop, but the processes meet at ``barrier`` every ``steps`` steps (each one's
-    share of a batch), as the workers of ``delivery="sync"`` with ``prefetch=0`` meet at each
-    batch; no collector, no messages, no storage: what waiting for one another costs by itself."""
-    _limit_loop(rank, num_envs, state_dict, steps, barrier, counter, ready, go, stop)
-
-
 def _limit_loop(rank: int, num_envs: int, state_dict: dict[str, torch.Tensor], steps: int, barrier: Any,
                 counter: Any, ready: Any, go: Any, stop: Any) -> None:
+    """The limit's loop in one process; with a ``barrier`` (:func:`_util.lockstep_slices`), the
+    processes meet there every ``steps`` steps, as sync delivery's workers do at each batch."""
     torch.set_num_threads(1)
     policy = ArgmaxMLP()
     policy.load_state_dict(state_dict)
@@ -169,12 +162,7 @@ def _limit_loop(rank: int, num_envs: int, state_dict: dict[str, torch.Tensor], s
         with torch.no_grad():
             while not stop.is_set():
                 for _ in range(steps):
-                    actions = policy(torch.from_numpy(np.stack(obs))).tolist()
-                    for i, env in enumerate(envs):
-                        o, _, terminated, truncated, _ = env.step(actions[i])
-                        if terminated or truncated:
-                            o, _ = env.reset()
-                        obs[i] = o
+                    limit_step(policy, envs, obs)
                     counter.value += num_envs
                 if barrier is not None and not meet(barrier):
                     break
@@ -408,7 +396,7 @@ def run_sliced(args: argparse.Namespace, policy: ArgmaxMLP, collector_cls: Any) 
         steps = max(1, args.frames_per_batch // (args.workers * args.envs_per_worker))
         log(f"{LOCKSTEP} (every {steps} steps): {args.turns} turns of {args.turn_seconds:g} s, taking turns with the limit ...")
         try:
-            rows.append((LOCKSTEP, lockstep_slices(limit, _lockstep_worker, lambda rank, barrier: (
+            rows.append((LOCKSTEP, lockstep_slices(limit, _limit_loop, lambda rank, barrier: (
                 rank, args.envs_per_worker, state, steps, barrier), args.workers, args.turns, args.turn_seconds), None, None))
         except Exception as exc:  # noqa: BLE001 - the collector's setups are measured all the same
             log(f"  -> FAILED: {_describe(exc)}")
