@@ -5,8 +5,8 @@
 #   bash scripts/run.sh test   [args]   the test suite (what CI runs); without args, also mypy on the
 #                                       package (beside it), then the Ray backend's tests
 #                                       (scripts/ray-tests.sh, in .venv-ray, set up beside the suite;
-#                                       AIOCOLLECT_SKIP_RAY=1 skips them), then the TorchRL 0.14
-#                                       compatibility check (scripts/torchrl-compat.sh;
+#                                       AIOCOLLECT_SKIP_RAY=1 skips them) and beside them the TorchRL
+#                                       0.14 compatibility check (scripts/torchrl-compat.sh;
 #                                       AIOCOLLECT_SKIP_TORCHRL=1 skips it)
 #   bash scripts/run.sh ray-test [args] tests/test_ray.py (scripts/ray-tests.sh: Ray in .venv-ray)
 #   bash scripts/run.sh bench  [args]   benchmarks/throughput.py
@@ -71,17 +71,22 @@ case "$cmd" in
     echo "[test] the main suite passed; mypy on the package (run beside it):"
     wait "$mypy_job" || { cat "$logs/mypy.log" >&2; exit 1; }
     cat "$logs/mypy.log"
+    # the TorchRL check beside Ray's tests, its output into a log shown when it ends (Ray's tests
+    # leave about a quarter of 2 cores idle while actors start)
+    wait "$torchrl_deps" || { cat "$logs/torchrl-deps.log" >&2; exit 1; }
+    setsid bash scripts/torchrl-compat.sh > "$logs/torchrl.log" 2>&1 &
+    torchrl_job=$!
     if [ "${AIOCOLLECT_SKIP_RAY:-0}" != 1 ]; then
       echo "[test] the Ray backend's tests (Ray set up beside the suite; waiting for it if it is not done):"
       wait "$ray_job" || { cat "$logs/ray.log" >&2; exit 1; }
       cat "$logs/ray.log"
       bash scripts/ray-tests.sh -q
     fi
-    echo "[test] now aiocollect beside TorchRL 0.14.1 (tensordict 0.14)"
-    wait "$torchrl_deps" || { cat "$logs/torchrl-deps.log" >&2; exit 1; }
+    echo "[test] aiocollect beside TorchRL 0.14.1 (tensordict 0.14), run beside Ray's tests:"
     cat "$logs/torchrl-deps.log"
+    wait "$torchrl_job" || { cat "$logs/torchrl.log" >&2; exit 1; }
     trap - EXIT
-    exec bash scripts/torchrl-compat.sh ;;
+    cat "$logs/torchrl.log" ;;
   ray-test) exec bash scripts/ray-tests.sh "$@" ;;
   bench) exec "$VENV/bin/python" benchmarks/throughput.py "$@" ;;
   pixels)

@@ -1,14 +1,17 @@
-"""Test configuration: every async test runs on plain asyncio and on uvloop (those of the modules
-in TRIO_MODULES on trio too); after every test,
-no worker process, shared-memory segment or thread of ours may be left behind."""
+"""Test configuration: every async test runs on one loop of the asyncio family, plain asyncio or
+uvloop, picked by its id (the modules in BOTH_LOOPS_MODULES on both; those in TRIO_MODULES on
+trio too); after every test, no worker process, shared-memory segment or thread of ours may be
+left behind."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import os
+import re
 import threading
 import time
+import zlib
 
 import pytest
 from procs import alive as _alive
@@ -33,6 +36,16 @@ TRIO_MODULES = {
 }
 # AIOCOLLECT_TEST_TRIO=all: every module's async tests on trio as well (about 2x the suite's time)
 TRIO_EVERYWHERE = os.environ.get("AIOCOLLECT_TEST_TRIO") == "all"
+# asyncio and uvloop run the same code of ours (anyio's asyncio backend) on two implementations of
+# one loop API: each async test variant runs on one of them, picked by a hash of its id without
+# the loop (stable from run to run, about half each, so most modules and parametrised tests run
+# on both). The modules that test our code facing the loop itself (a child's socket, a thread
+# waking the loop, the event bus and queues, an HTTP server in the loop) run on both, and so does
+# a test marked `asyncio_and_uvloop`. AIOCOLLECT_TEST_LOOPS=all: every async test on both (about
+# 1.25x the suite's time).
+BOTH_LOOPS_MODULES = {"test_child_messages", "test_own_thread", "test_bus", "test_events", "test_queues",
+                      "test_training_server"}
+BOTH_LOOPS_EVERYWHERE = os.environ.get("AIOCOLLECT_TEST_LOOPS") == "all"
 
 
 def on_trio() -> asyncio.AbstractEventLoop:
@@ -60,6 +73,34 @@ def _runs_on_trio(item) -> bool:
     return callspec is not None and callspec.params.get("_asyncio_loop_factory") is on_trio
 
 
+def _asyncio_family_loop(item) -> str | None:
+    """``"asyncio"`` or ``"uvloop"`` for a variant run on that loop, else None."""
+    factory = getattr(getattr(item, "callspec", None), "params", {}).get("_asyncio_loop_factory")
+    if factory is asyncio.new_event_loop:
+        return "asyncio"
+    if uvloop is not None and factory is uvloop.new_event_loop:
+        return "uvloop"
+    return None
+
+
+def _without_loop(item) -> str:
+    """The node id with the loop's name taken out of its parameters."""
+    return re.sub(r"(?<=[\[-])(asyncio|uvloop)(?=[\]-])", "", item.nodeid, count=1)
+
+
+def _left_to_the_other_loop(item, loop: str, variants: set[tuple[str, str]]) -> bool:
+    """True for a variant whose twin on the other asyncio-family loop was collected too and is the
+    one its id's hash picked (see BOTH_LOOPS_MODULES): the hash is of the node id without the
+    loop, so the pick is the same in every xdist worker and from run to run."""
+    if BOTH_LOOPS_EVERYWHERE or item.module.__name__.rpartition(".")[2] in BOTH_LOOPS_MODULES:
+        return False
+    if item.get_closest_marker("asyncio_and_uvloop") is not None:
+        return False
+    key = _without_loop(item)
+    other = "uvloop" if loop == "asyncio" else "asyncio"
+    return (key, other) in variants and ("asyncio", "uvloop")[zlib.crc32(key.encode()) % 2] == other
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "asyncio_only: the test uses asyncio itself (task.cancel(), loop timers): not run on trio"
@@ -68,19 +109,28 @@ def pytest_configure(config):
         "markers", "loops(*names): run the async test on these loops only ('asyncio', 'uvloop', 'trio'), for "
         "slow modules whose loop-specific code is covered by a few tests"
     )
+    config.addinivalue_line(
+        "markers", "asyncio_and_uvloop: run on both loops of the asyncio family (a test of code facing the loop "
+        "itself: another thread waking it), not on the one its id picks"
+    )
 
 
 def pytest_collection_modifyitems(session, config, items):
-    kept, asyncio_only = [], []
+    kept, deselected = [], []
+    variants = {(_without_loop(item), loop) for item in items if (loop := _asyncio_family_loop(item)) is not None}
     for item in items:
+        loop = _asyncio_family_loop(item)
+        if loop is not None and _left_to_the_other_loop(item, loop, variants):
+            deselected.append(item)
+            continue
         if _runs_on_trio(item):
             if item.get_closest_marker("asyncio_only") is not None:
-                asyncio_only.append(item)
+                deselected.append(item)
                 continue
             item.trio_test = item.obj  # the coroutine function (pytest-asyncio swaps obj when it runs)
         kept.append(item)
-    if asyncio_only:
-        config.hook.pytest_deselected(items=asyncio_only)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
         items[:] = kept
 
 

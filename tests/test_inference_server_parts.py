@@ -247,6 +247,7 @@ async def _held_pass() -> tuple[InferenceServer, Gate]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.loops("asyncio", "uvloop", "trio")
+@pytest.mark.asyncio_and_uvloop  # (a thread wakes the loop)
 async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the_event_loop():
     """``update_weights`` under server inference while a forward pass holds the weights: the load
     waits for that pass off the loop (the loop's other tasks run meanwhile), then the next pass
@@ -277,6 +278,7 @@ async def test_a_weight_load_waits_for_the_pass_in_progress_without_stopping_the
 
 @pytest.mark.timeout(120)
 @pytest.mark.loops("asyncio", "uvloop", "trio")
+@pytest.mark.asyncio_and_uvloop  # (a thread wakes the loop)
 async def test_loads_left_during_a_pass_are_made_in_order_cancelled_or_not_and_a_failed_one_raises():
     """Three ``update_weights`` while one pass holds the weights: one whose copy fails (its error
     is raised to its caller), then two more, the first of them cancelled while it waits (a made

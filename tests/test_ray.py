@@ -146,6 +146,7 @@ async def test_same_data_as_the_process_backend():
 
 
 @pytest.mark.loops("asyncio", "uvloop", "trio")
+@pytest.mark.asyncio_and_uvloop  # (a thread wakes the loop)
 async def test_user_program_with_weight_updates():
     """The loop users write: iterate to total_frames, train, update weights after each batch,
     close. Frames carry the version current at their batch's start, every actor acknowledges each

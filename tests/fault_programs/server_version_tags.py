@@ -1,8 +1,9 @@
-"""A user's program: server inference on CartPole, 2 workers x 8 envs, new weights after each of
-400 batches, with a plain Python thread busy beside the collector. Every frame's
-``("collector", "policy_version")`` must name the weights that chose its action: the policy's
-action reveals its weight ``w`` (set to the version by each update), and the policy writes ``w``
-as an extra output too. A forward pass must never give version v's tag to version v+1's weights."""
+"""A user's program: server inference on CartPole, 2 workers x 8 envs, new weights (a whole
+state_dict) after each of 150 batches, with a plain Python thread busy beside the collector.
+Every frame's ``("collector", "policy_version")`` must name the weights that chose its action:
+the policy's action reveals its weight ``w`` (set to the version by each update), and the policy
+writes ``w`` as an extra output too. A forward pass must never give version v's tag to version
+v+1's weights."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tensordict.nn import TensorDictModule
 
 from aiocollect import Collector
 
-BATCHES = 400
+BATCHES = 150  # (tests/test_version_tags.py runs 400 in each inference mode)
 FRAMES_PER_BATCH = 2 * 8 * 2
 
 
