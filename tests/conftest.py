@@ -88,15 +88,14 @@ def _without_loop(item) -> str:
     return re.sub(r"(?<=[\[-])(asyncio|uvloop)(?=[\]-])", "", item.nodeid, count=1)
 
 
-def _left_to_the_other_loop(item, loop: str, variants: set[tuple[str, str]]) -> bool:
-    """True for a variant whose twin on the other asyncio-family loop was collected too and is the
-    one its id's hash picked (see BOTH_LOOPS_MODULES): the hash is of the node id without the
-    loop, so the pick is the same in every xdist worker and from run to run."""
+def _left_to_the_other_loop(item, key: str, loop: str, variants: set[tuple[str, str]]) -> bool:
+    """True for a variant (``key``: its node id without the loop) whose twin on the other
+    asyncio-family loop was collected too and is the one the key's hash picked (see
+    BOTH_LOOPS_MODULES): the same pick in every xdist worker and from run to run."""
     if BOTH_LOOPS_EVERYWHERE or item.module.__name__.rpartition(".")[2] in BOTH_LOOPS_MODULES:
         return False
     if item.get_closest_marker("asyncio_and_uvloop") is not None:
         return False
-    key = _without_loop(item)
     other = "uvloop" if loop == "asyncio" else "asyncio"
     return (key, other) in variants and ("asyncio", "uvloop")[zlib.crc32(key.encode()) % 2] == other
 
@@ -117,10 +116,11 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     kept, deselected = [], []
-    variants = {(_without_loop(item), loop) for item in items if (loop := _asyncio_family_loop(item)) is not None}
+    on_loop = {id(item): (_without_loop(item), loop) for item in items
+               if (loop := _asyncio_family_loop(item)) is not None}
+    variants = set(on_loop.values())
     for item in items:
-        loop = _asyncio_family_loop(item)
-        if loop is not None and _left_to_the_other_loop(item, loop, variants):
+        if id(item) in on_loop and _left_to_the_other_loop(item, *on_loop[id(item)], variants):
             deselected.append(item)
             continue
         if _runs_on_trio(item):

@@ -27,9 +27,10 @@ def run_script(name: str, *args: str, timeout: float = 120) -> str:
     return proc.stdout + proc.stderr
 
 
-# the scripts a test below runs to its end (a run starts them too: no `--help` run of their own)
-RUN_BELOW = {"compare_trees.py", "inference.py", "loop_lag.py", "server_load.py", "startup.py", "step_cost.py",
-             "throughput.py", "vector_envs.py", "weight_sync.py"}
+# the scripts a test below runs to its end, read from this file's calls (a run starts them too: no
+# `--help` run of their own)
+with open(__file__) as _this_file:
+    RUN_BELOW = set(re.findall(r'run_script\("(\w+\.py)", "(?!--help")', _this_file.read()))
 
 
 def test_the_scripts_run_below_are_benchmark_scripts():
