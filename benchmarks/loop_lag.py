@@ -112,8 +112,9 @@ FELL_BACK = FellBack()
 
 
 async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: Probe | None,
-                  ready: Any = None) -> float:
-    """Collect for ``seconds`` after a second of warm-up (the probe running meanwhile); frames/s."""
+                  ready: Any = None, stop: threading.Event | None = None) -> float:
+    """Collect for ``seconds`` (or, given ``stop``, until it is set) after ``--warmup`` seconds of
+    warm-up, the probe running meanwhile; frames/s."""
     import anyio
 
     from aiocollect import Collector
@@ -127,7 +128,7 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
                          envs_per_worker=args.envs, inference=inference, delivery=args.delivery, seed=0,
                          **extra) as c:
         it = aiter(c)
-        t_end = time.perf_counter() + 1.0
+        t_end = time.perf_counter() + args.warmup
         while time.perf_counter() < t_end:
             if await next_batch(it, args.patience) is None:
                 log(f"  {setup}: no batch within {args.patience:g} s (--patience): starved, counted as 0 frames/s")
@@ -139,7 +140,7 @@ async def collect(args: argparse.Namespace, setup: str, seconds: float, probe: P
             if probe is not None:
                 tg.start_soon(probe.run)
             t0 = time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
+            while (not stop.is_set()) if stop is not None else (time.perf_counter() - t0 < seconds):
                 if (batch := await next_batch(it, args.patience)) is None:
                     break
                 frames += batch.numel()
@@ -202,11 +203,13 @@ def other_process(args: argparse.Namespace) -> None:
             where = "its own session" if own_session else "this session"
             log(f"collector in another process ({where}): {setup} ...")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", setup, "--env", args.env,
-                   "--workers", str(args.workers), "--envs", str(args.envs), "--seconds", str(args.seconds + 2),
+                   "--workers", str(args.workers), "--envs", str(args.envs), "--warmup", str(args.warmup),
                    "--patience", str(args.patience), "--policy-width", str(args.policy_width),
                    "--delivery", args.delivery]
             cmd += ["--update-weights"] if args.update_weights else []
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=own_session)
+            # (it collects from its "ready" until this process's "stop", sent once the probe is done)
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    start_new_session=own_session)
             try:
                 assert proc.stdout is not None
                 while (line := proc.stdout.readline()).strip() != "ready":
@@ -224,7 +227,7 @@ def other_process(args: argparse.Namespace) -> None:
                         probe.running = False
 
                 run_loop(probe_for, args.seconds)
-                fps = float(proc.communicate(timeout=args.seconds + 3 * args.patience + 60)[0].split()[-1])
+                fps = float(proc.communicate("stop\n", timeout=3 * args.patience + 60)[0].split()[-1])
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -239,7 +242,16 @@ def other_process(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace) -> int:
-    fps = run_loop(collect, args, args.child, args.seconds, None, lambda: print("ready", flush=True))
+    """The collector of ``--other-process``: it collects from its "ready" until the parent's "stop"
+    on its standard input (or that input's end: the parent is gone)."""
+    stop = threading.Event()
+
+    def wait_for_the_parent() -> None:
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=wait_for_the_parent, name="waits for the parent's stop", daemon=True).start()
+    fps = run_loop(collect, args, args.child, 0.0, None, lambda: print("ready", flush=True), stop)
     print(f"{fps:.1f}", flush=True)
     return 0
 
@@ -269,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--envs", type=int, default=4, help="envs per worker (default 4)")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring window per setup (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="seconds of collecting before each setup's window, not measured (default 1)")
     p.add_argument("--patience", type=float, default=60.0,
                    help="the longest wait for one batch before a setup counts as starved (default 60 s)")
     p.add_argument("--delivery", choices=("sync", "async"), default="sync", help="default sync")

@@ -87,8 +87,8 @@ def test_loop_lag_benchmark_runs_both_parts_to_their_tables():
     """benchmarks/loop_lag.py on CartPole at a tiny scale, weights published after each batch: the
     in-process table (four setups) and the other-process table (four rows), and nothing left behind (the script reaps and warns).
     A setup that starves (the idle server on a loaded machine) ends after ``--patience``."""
-    out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--other-process", "--patience", "5",
-                     "--update-weights", timeout=280)
+    out = run_script("loop_lag.py", "--env", "cartpole", "--seconds", "0.3", "--warmup", "0.2", "--other-process",
+                     "--patience", "5", "--update-weights", timeout=280)
     assert "The loop that collects (cartpole, 2 workers x 4 envs, update_weights after each batch)" in out
     setups = ("worker", "server", "server, idle") + (("idle, pinned",) if len(os.sched_getaffinity(0)) > 1 else ())
     assert all(re.search(rf"^{re.escape(s)}\s+[\d,]+\s+[\d.]+ / ", out, re.M) for s in setups), out
@@ -187,7 +187,7 @@ def test_throughput_benchmark_measures_each_prefetch_side_by_side():
     each measured (frames per second and its ratio to the limit), with the trainer's wait."""
     out = run_script("throughput.py", "--skip-baselines", "--seconds", "0.5", "--warmup", "0.1", "--workers", "1",
                      "--envs-per-worker", "2", "--frames-per-batch", "64", "--prefetch", "0,1", "--train-ms", "5",
-                     timeout=280)
+                     "--lag-seconds", "0.2", timeout=280)
     for delivery in ("sync", "async"):
         for prefetch in (0, 1):
             assert re.search(rf"^aiocollect {delivery} prefetch={prefetch}\s+[\d,]+\s+[\d.]+", out, re.M), out
