@@ -11,20 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=.venv
 VENV=.venv-ray
-if [ ! -x "$BASE/bin/python" ]; then
-  echo "[ray] $BASE is not set up: run bash scripts/run.sh test (it sets it up and then runs this)" >&2
-  exit 1
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[ray] creating $VENV on top of $BASE"
-  "$BASE/bin/python" -m venv "$VENV"
-fi
-# .venv's site-packages as a site directory of .venv-ray (a site directory: its .pth files, the
-# editable install's among them, are read too); .venv-ray's own packages come first
-base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-own_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-printf 'import site; site.addsitedir(%s)\n' "$("$BASE/bin/python" -c 'import sys; print(repr(sys.argv[1]))' "$base_site")" \
-  >"$own_site/aiocollect-base-venv.pth"
+. scripts/layered-venv.sh
+layered_venv ray "$BASE" "$VENV"
 stamp="$VENV/.aiocollect-installed"
 if [ ! -f "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ] || [ "$BASE/.aiocollect-installed" -nt "$stamp" ]; then
   echo "[ray] installing Ray into $VENV (the pin of scripts/constraints.txt)"

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Compatibility check: aiocollect installed beside TorchRL 0.14.1, which wants tensordict<0.15
-# (the main .venv has tensordict 0.15). Creates or updates .venv-torchrl (torch first, so pip
-# never resolves an open-ended torch requirement by itself), then runs the TorchRL interop tests
-# and the tensordict-heavy test modules on tensordict 0.14. aiocollect goes in as a user gets it:
-# the wheel built from this tree, installed with its dependencies (not an editable install), and
-# the tests import that installed copy (python -P: the source tree is not on sys.path).
+# (the main .venv has tensordict 0.15). Creates or updates .venv-torchrl, a venv layered on .venv
+# (scripts/layered-venv.sh: it sees .venv's packages, torch among them, so torch is not installed
+# a second time; its own packages come first), then runs the TorchRL interop tests and the
+# tensordict-heavy test modules on tensordict 0.14. pip resolves TorchRL's requirements with
+# aiocollect's and installs into .venv-torchrl what .venv does not satisfy (tensordict 0.14,
+# TorchRL), leaving .venv as it is. aiocollect goes in as a user gets it: the wheel built from
+# this tree (not an editable install), and the tests import that installed copy (python -P: the
+# source tree is not on sys.path; the wheel comes before .venv's editable install).
+# Needs .venv set up first (scripts/run.sh does that).
 #   bash scripts/torchrl-compat.sh            set up if needed, then run the tests
 #   bash scripts/torchrl-compat.sh setup      set up only
 #   bash scripts/torchrl-compat.sh deps       the venv and its dependencies only (builds nothing in
@@ -14,33 +18,25 @@
 #   bash scripts/torchrl-compat.sh [pytest args]   run these instead of the default modules
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+BASE=.venv
 VENV=.venv-torchrl
-TORCH_VERSION=${AIOCOLLECT_TORCH_VERSION:-2.13.0}
 TORCHRL_VERSION=0.14.1
 TENSORDICT_RANGE=">=0.14,<0.15"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    echo "[setup] aiocollect needs Python 3.11 or newer; $PY is $("$PY" --version 2>/dev/null || echo 'not found')." \
-      "Point PYTHON at one: PYTHON=python3.11 bash $0 ..." >&2
-    exit 1
-  fi
-  echo "[setup] creating $VENV with $($PY --version)"
-  "$PY" -m venv "$VENV"
-fi
+. scripts/layered-venv.sh
+layered_venv setup "$BASE" "$VENV"
 stamp="$VENV/.aiocollect-installed"
 constraints="$VENV/constraints.txt"
 quiet_pip() {
   # pip -q, less the machine's "Location ... is ignored" notes about its local indexes
   "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
 }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/torchrl-compat.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/torchrl-compat.sh -nt "$stamp" ] \
+  || [ "$BASE/.aiocollect-installed" -nt "$stamp" ]; then
   start=$SECONDS
-  # the same pins for every install step: the torch pin keeps pip from fetching a CUDA build
-  printf 'torch==%s\ntensordict%s\ntorchrl==%s\n' "$TORCH_VERSION" "$TENSORDICT_RANGE" "$TORCHRL_VERSION" >"$constraints"
-  echo "[setup] installing torch==$TORCH_VERSION first"
-  quiet_pip install -q "torch==$TORCH_VERSION"
+  # the same pins for every install step: the torch pin (.venv's) keeps pip from fetching a CUDA build
+  torch_version=$("$BASE/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
+  printf 'torch==%s\ntensordict%s\ntorchrl==%s\n' "$torch_version" "$TENSORDICT_RANGE" "$TORCHRL_VERSION" >"$constraints"
   echo "[setup] installing torchrl==$TORCHRL_VERSION, tensordict$TENSORDICT_RANGE and aiocollect's dependencies and test extras"
   # aiocollect's own requirements and its test extra, read from pyproject.toml (not ".[test]", which
   # would build the package in the source tree: the wheel below is built once the main suite is done)
