@@ -31,10 +31,16 @@ from aiocollect._worker.vector import open_rollout
 @dataclasses.dataclass
 class Script:
     """How a fake worker behaves: ``delay(n)`` seconds for its batch ``n``; ``fail_at``: the batch
-    at which it fails (its serve() returns an error, as a dying process's does)."""
+    at which it fails (its serve() returns an error, as a dying process's does); ``ends``: episode
+    ends in its ``("next", "terminated")`` and ``("next", "truncated")`` flags (a fifth of them,
+    drawn from a generator seeded with the batch's value), else every boolean is False."""
 
     delay: Callable[[int], float] = lambda n: 0.0
     fail_at: int | None = None
+    ends: bool = False
+
+
+_ENDS = (("next", "terminated"), ("next", "truncated"))
 
 
 def value(worker: int, n: int) -> int:
@@ -82,8 +88,12 @@ class FakeWorker(WorkerHandle):
             slot = self.free.popleft()
             self.credits -= 1
             await anyio.sleep(self.script.delay(n))
-            for view in self.slots.np_views[slot].values():
-                view[...] = False if view.dtype == np.bool_ else value(self.index, n)
+            rng = np.random.default_rng(value(self.index, n))
+            for key, view in self.slots.np_views[slot].items():
+                if view.dtype != np.bool_:
+                    view[...] = value(self.index, n)
+                else:
+                    view[...] = self.script.ends and key in _ENDS and rng.random(view.shape) < 0.2
             self.written.append(slot)
             rows = self.slots.np_views[slot][("observation",)].shape[0]
             self._completed(slot, BatchInfo(NO_EPISODES, [0] * rows, {"env": 0.0, "policy": 0.0}, 0))

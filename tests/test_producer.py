@@ -145,3 +145,29 @@ async def test_a_cancelled_collect_loses_no_batch():
         with pytest.raises(EndOfCollection):
             await c.collect()
         assert c.batches == 2
+
+
+async def test_a_sync_batch_made_before_its_last_part_holds_that_rounds_data():
+    """Sync delivery makes a round's batch on its slot once the first worker's part is in, while
+    the slower one still collects: every batch delivered holds both workers' rows of its round,
+    and its ``("next", "done")`` is ``terminated | truncated`` of those rows, also once the
+    consumer keeps a batch (then copied) and when a worker is replaced in the middle of a
+    round."""
+    fake = FakeBackend(Script(ends=True), Script(delay=lambda n: 0.02, fail_at=5, ends=True))
+    rounds, kept = 12, []
+    async with _collector(fake, total_frames=16 * rounds, prefetch=0, on_worker_failure="restart", max_restarts=1) as c:
+        producer = c._run.shared.producer
+        n = 0
+        async for batch in c:
+            assert _source(batch) == [value(0, n)] * E + [value(1, n)] * E
+            nxt = batch["next"]
+            assert nxt["done"].any() and not nxt["done"].all(), "the fake's flags are a fifth True"
+            assert torch.equal(nxt["done"], nxt["terminated"] | nxt["truncated"])
+            if n == 3:
+                kept.append(batch)  # (with the loop's variable, all the slots it may be lent: copies)
+            if n == 7:
+                kept.clear()  # (lent again)
+            n += 1
+        assert n == rounds and c.stats().restarts == 1
+        made_ahead, copied = producer.made_ahead, c.stats().batches_copied
+    assert copied >= 1 and made_ahead >= rounds // 2, (made_ahead, copied)

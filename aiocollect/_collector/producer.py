@@ -121,6 +121,10 @@ class Producer:
         self.first_index = 0  # the index of the first batch this run delivers
         self.trajs: Any = None  # trajs_per_batch: the episodes of rounds not delivered yet
         self.parked = False  # waiting on wakeup alone, with nothing half-done (safe to cancel)
+        # sync delivery: the next batch's tensors on the slot its first part came in, made while
+        # the other workers finish theirs (see _prepare)
+        self.prepared: _Prepared | None = None
+        self.made_ahead = 0  # batches delivered from what _prepare made
 
     def wake(self, worker: "RolloutSeat | None" = None) -> None:
         if worker is not None:
@@ -180,7 +184,10 @@ class Producer:
             return all(w.ready for w in self.pool.workers)
         return bool(self.arrivals)
 
-    async def _wait(self, cond: Callable[[], bool], remaining: int) -> None:
+    async def _wait(self, cond: Callable[[], bool], remaining: int,
+                    meanwhile: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Until ``cond()`` holds: grant what may be granted, and park until woken
+        (``meanwhile()`` first, each time it parks)."""
         while True:
             pending = self.hooks.pending()
             if pending is None:
@@ -192,6 +199,8 @@ class Producer:
             pending = self.hooks.pending()
             if pending is not None and not self._deliverable():
                 raise pending
+            if meanwhile is not None:
+                await meanwhile()
             self.parked = True
             try:
                 if self.throttled:  # nothing tells this task of an update_weights(): look again soon
@@ -211,6 +220,8 @@ class Producer:
             # reference cycle keeps (a cancellation's) must not keep them until the next gc run
             traceback.clear_frames(exc.__traceback__)
             raise
+        finally:
+            self.prepared = None  # (its views keep the slots mapped)
 
     async def _produce(self) -> None:
         self._begin()
@@ -276,7 +287,7 @@ class Producer:
         await self._wait(lambda: counts.requested + prefetch > self.produced, remaining)
         if self.config.delivery == "sync":
             workers = self.pool.workers
-            await self._wait(lambda: all(w.ready for w in workers), remaining)
+            await self._wait(lambda: all(w.ready for w in workers), remaining, self._prepare)
             return [(w, w.take()) for w in workers]
         await self._wait(lambda: bool(self.arrivals), remaining)
         w = self.arrivals.popleft()
@@ -284,10 +295,35 @@ class Producer:
         await self._pump(remaining)  # its next credit now, not after the delivery (which may wait)
         return [(w, part)]
 
+    async def _prepare(self) -> None:
+        """Sync delivery, while a batch waits for its last parts: the batch that lending the
+        slot of its first part will deliver (its tensors, views on the slot; ``("next", "done")``
+        left to fill), so that once the last worker is done only that is left to compute before
+        the batch goes out and the workers get their next credits. :meth:`_assemble` uses it
+        where the batch is lent whole from that slot, and drops it otherwise."""
+        if self.prepared is not None or self.config.zero_copy or self.storing is not None:
+            return
+        await self._take_back()
+        workers = self.pool.workers
+        first = next((w for w in workers if w.ready), None)
+        segment, layout = self.pool.slots.segment, self.pool.slots.layout
+        if first is None or segment is None or layout is None or not self.loans.can_lend([(w, None) for w in workers]):
+            return  # (nothing to lend from yet, or the consumer holds all it may: the batch is copied)
+        slot = first.ready[0][0]
+        array = layout.slot_array(segment[1], slot)
+        views = layout.views(array, slot, mapped_slot=True)
+        batch = _build(layout, [views], None, layout.rows * layout.workers, done=False)
+        flags = (batch.get(("next", "terminated")), batch.get(("next", "truncated")))
+        self.prepared = _Prepared(slot, array, batch, flags, batch.get(("next", "done")))
+
+    async def _take_back(self) -> None:
+        """The slots of the lent batches the consumer has dropped go back to their workers."""
+        for returned in self.loans.returned():
+            await _release(returned)
+
     async def _collect(self, parts: list[tuple["RolloutSeat", Any]], remaining: int) -> tuple["TensorDict", Lease | None]:
         """Assemble the round's batch, give back the slots it does not hold, count the round."""
-        for returned in self.loans.returned():  # lent batches the consumer has dropped
-            await _release(returned)
+        await self._take_back()
         batch, lease, lent = await self._assemble([(w, slot) for w, (slot, _) in parts])
         if lease is None and not lent:  # copied: the slots go back to the workers now
             await _release([(w, slot) for w, (slot, _) in parts])
@@ -355,6 +391,13 @@ class Producer:
         zero_copy = self.config.zero_copy
         slot = parts[0][1]
         whole = len(parts) == layout.workers and all(w.index == i and s == slot for i, (w, s) in enumerate(parts))
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and whole and prepared.slot == slot and self.loans.can_lend(parts):
+            torch.logical_or(*prepared.flags, out=prepared.done)
+            self.loans.lend(prepared.array, parts)
+            self.made_ahead += 1
+            return prepared.batch, None, True
+        del prepared  # (not this batch's: its views go)
         mappings: list[Any] = []
         if zero_copy == "debug" and (whole or len(parts) == 1):
             import mmap
@@ -393,9 +436,25 @@ class Producer:
         return batch, Lease(parts, mappings), False
 
 
-def _build(layout: SlotLayout, views: list[dict[Key, np.ndarray]], chunk: Any, E: int) -> "TensorDict":
+@dataclasses.dataclass
+class _Prepared:
+    """A sync batch made ahead (:meth:`Producer._prepare`): ``batch``'s tensors are views on
+    ``array``, slot ``slot``'s own array (what lending it hands :class:`Loans`)."""
+
+    slot: int
+    array: np.ndarray
+    batch: "TensorDict"
+    flags: tuple[torch.Tensor, torch.Tensor]
+    """Its ``("next", "terminated")`` and ``("next", "truncated")``."""
+    done: torch.Tensor
+    """Its ``("next", "done")``, to fill from ``flags`` once every part is in."""
+
+
+def _build(layout: SlotLayout, views: list[dict[Key, np.ndarray]], chunk: Any, E: int, done: bool = True) -> "TensorDict":
     """The batch of ``views`` (each a part's rows of every leaf): the views themselves as tensors
-    when ``chunk`` is ``None`` (one part, shared), else copies into ``chunk``, 64-byte aligned."""
+    when ``chunk`` is ``None`` (one part, shared), else copies into ``chunk``, 64-byte aligned.
+    ``done=False``: its ``("next", "done")`` is left uninitialised, for the caller to fill once
+    the flags are written."""
     from tensordict import TensorDict
 
     T = layout.frames_per_row
@@ -416,7 +475,10 @@ def _build(layout: SlotLayout, views: list[dict[Key, np.ndarray]], chunk: Any, E
         else:
             np.copyto(out, arrays[0])
         flat[leaf.key] = torch.from_numpy(out)
-    flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
+    if done:
+        flat[("next", "done")] = flat[("next", "terminated")] | flat[("next", "truncated")]
+    else:
+        flat[("next", "done")] = torch.empty(E, T, 1, dtype=torch.bool)
     for name in ("done", "terminated", "truncated"):  # flags of obs at t: envs reset at once
         flat[(name,)] = torch.zeros(E, T, 1, dtype=torch.bool)
     # device "cpu", as TorchRL's batches say (measured: a few microseconds more per batch)
