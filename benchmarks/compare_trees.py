@@ -50,9 +50,23 @@ def ratios(data: Any, path: tuple[str, ...] = ()) -> dict[str, float]:
             named = isinstance(value, dict) and value.get("name") == key  # (results keyed by their name)
             found.update(ratios(value, path if key == "results" or named else (*path, str(key))))
     elif isinstance(data, list):
-        for item in data:
-            found.update(ratios(item, path))
+        parts = [ratios(item, path) for item in data]
+        if sum(map(len, parts)) > len({key for part in parts for key in part}):
+            # the same setups in several items (pixels.py's runs: one per observation format and
+            # repeat): each item under a label of its own, not the last one's figures alone
+            labels = [_label(item) for item in data]
+            if len(set(labels)) < len(labels):
+                labels = [f"{label} {k + 1}" for k, label in enumerate(labels)]
+            parts = [ratios(item, (*path, label)) for item, label in zip(data, labels)]
+        for part in parts:
+            found.update(part)
     return found
+
+
+def _label(item: Any) -> str:
+    """What tells an item of a list of runs apart: its observation format (pixels.py), else "run"."""
+    obs = item.get("obs") if isinstance(item, dict) else None
+    return obs if isinstance(obs, str) else "run"
 
 
 def aiocollect_of(tree: str) -> str:

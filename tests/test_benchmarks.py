@@ -143,7 +143,10 @@ here = os.path.dirname(os.path.dirname(os.path.abspath(aiocollect.__file__)))
 with open(a.json, "w") as f:
     json.dump({"machine": {"cpu": "x"}, "cartpole": {"limit_fps": 10.0, "results": [
         {"name": "limit", "ratio_to_limit": 1.0}, {"name": "ours", "ratio_to_limit": 0.5 * a.scale}]},
-        "pong": {"skipped": "no envpool"}, "tree": here}, f)
+        "pong": {"skipped": "no envpool"}, "tree": here,
+        "runs": [{"obs": "raw", "results": {"ours": {"ratio": 0.8}}},
+                 {"obs": "84x84x4", "results": {"ours": {"ratio": 0.6}}}],
+    }, f)
 """
 
 
@@ -157,6 +160,9 @@ def test_compare_trees_runs_a_script_with_each_tree_and_prints_its_ratios_side_b
     assert rows["ours"][3:6] == ["0.75", "0.75", "+0.0%"], out
     assert rows["limit"][3:5] == ["1.00", "1.00"], out
     assert "pong" not in "".join(rows), out  # (a skipped table has no ratio)
+    # runs of the same setups in a list (pixels.py: one per observation format), each under its own
+    runs = {line.split()[2]: line.split()[5:7] for line in out.splitlines() if line.startswith("runs / ")}
+    assert runs == {"raw": ["0.80", "0.80"], "84x84x4": ["0.60", "0.60"]}, out
 
 
 @pytest.mark.timeout(120)
