@@ -21,7 +21,7 @@ import anyio
 from .. import events as ev
 from .._core import heartbeat as _heartbeat
 from .._core import shm as _shm
-from .._core.affinity import crowded, spare_one_cpu
+from .._core.affinity import cpu_each, crowded, spare_one_cpu
 from .._core.imports import env_needs
 from .._core.quick_import import import_module
 from .._core.errors import AiocollectError, SpecError
@@ -307,6 +307,7 @@ class WorkerPool:
                 action_bounds=c.action_bounds,
                 worker_groups=c.worker_groups,
                 cpus=worker_cpus(c, i),
+                credit_spin=credit_spin(c),
                 one_hot_actions=not c.categorical_action_encoding,
                 decorrelation_steps=c.max_decorrelation_steps,
             )
@@ -335,6 +336,26 @@ def worker_cpus(c: Any, worker: int) -> tuple[int, ...] | None:
     return cpus
 
 
+#: seconds a worker process with a CPU of its own looks for its next credit before it sleeps
+CREDIT_SPIN = 0.001
+
+
+def credit_spin(c: Any) -> float:
+    """How long a worker process looks for its next credit without sleeping once its batch is
+    sent (:data:`CREDIT_SPIN`): under ``delivery="sync"``, where it has a CPU of its own and the
+    collector's process one more (:func:`~aiocollect._core.affinity.cpu_each`); else 0: it sleeps
+    at once, leaving its CPU to the others.
+
+    A sync round starts when every worker has its credit: one read as it comes costs the worker
+    no wake-up and the collector's process no write that wakes a sleeping process, which counts
+    where rounds are short (the design page's "Short rounds"), for at most a millisecond of
+    polling per batch. An async worker waiting for a credit is ahead of the consumer: nothing
+    waits on it. Not under ``inference="server"``: the server's thread needs a CPU too."""
+    if c.delivery != "sync" or c.inference == "server" or not cpu_each(c.workers, c.worker_cpus):
+        return 0.0
+    return CREDIT_SPIN
+
+
 def policy_spec(c: CollectorConfig, worker: int | None) -> PolicySpec:
     """The policy as sent to a worker (``worker``: the index of its own factory, if any)."""
     if c.inference == "server":  # the workers only step envs: the policy stays here
@@ -350,7 +371,8 @@ def policy_spec(c: CollectorConfig, worker: int | None) -> PolicySpec:
         ) from exc
 
 
-__all__ = ["PoolHooks", "Resume", "Seeding", "SlotMemory", "WorkerPool", "import_in_thread", "policy_spec", "server_priority", "worker_cpus"]
+__all__ = ["CREDIT_SPIN", "PoolHooks", "Resume", "Seeding", "SlotMemory", "WorkerPool", "credit_spin",
+           "import_in_thread", "policy_spec", "server_priority", "worker_cpus"]
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -96,11 +96,25 @@ def normalize_cpu_set(value: Any, argument: str) -> tuple[int, ...] | None:
     return None if cpus is None else cpus[0]
 
 
+def _our_cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def crowded(workers: int) -> bool:
     """Fewer CPUs for this process than busy threads while serving: the ``workers``, the event
     loop's thread and the inference server's."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus < workers + 2
+    return len(_our_cpus()) < workers + 2
+
+
+def cpu_each(workers: int, cpus: Cpus | None = None) -> bool:
+    """Whether each of ``workers`` worker processes has a CPU of its own, and the collector's
+    process one more: as many CPUs as that for this process, or ``worker_cpus`` (``cpus``) that
+    give no two workers a CPU in common and leave one of this process's CPUs to none."""
+    ours = _our_cpus()
+    if cpus is not None:
+        placed = set().union(*cpus)
+        return sum(len(c) for c in cpus) == len(placed) and bool(ours - placed)
+    return len(ours) >= workers + 1
 
 
 def spare_one_cpu(workers: int) -> tuple[int, ...] | None:
@@ -148,5 +162,5 @@ def batch_scheduling() -> bool:
     return True
 
 
-__all__ = ["Cpus", "apply_cpus", "batch_scheduling", "cpu_list", "crowded", "normalize_cpu_set", "normalize_cpus",
-           "spare_one_cpu"]
+__all__ = ["Cpus", "apply_cpus", "batch_scheduling", "cpu_each", "cpu_list", "crowded", "normalize_cpu_set",
+           "normalize_cpus", "spare_one_cpu"]

@@ -127,9 +127,12 @@ class Worker(Peer):
             from .._core.profiling import Recorder
 
             self.recorder = Recorder(*cfg.profile)
+        spin = cfg.credit_spin
         while True:
             self.apply_weights()  # a batch boundary: the only place weights change
             while not (self.credits > 0 and self.free):
+                if spin:  # (a CPU of its own: the next credit read as it comes)
+                    self.look(spin)
                 self.handle(*self.recv())
                 self.apply_weights()  # an idle worker takes new weights at once
             slot = self.free.popleft()

@@ -66,6 +66,19 @@ class Peer:
                 raise _Stop from None
             self.handle(*self.recv())
 
+    def look(self, seconds: float) -> None:
+        """For up to ``seconds``, look for a message without sleeping: returns once one waits (or
+        the socket closed: the :meth:`recv` that follows raises ``_Stop``), else when the time is
+        up. For a process with a CPU of its own, about to wait: a message read as it comes costs
+        no wake-up, on either side."""
+        clock, sock, waiting = time.perf_counter, self.sock, _wire.message_waiting
+        end = clock() + seconds
+        try:
+            while not waiting(sock) and clock() < end:
+                pass
+        except EOFError:
+            pass
+
     def handle(self, msg: Any, fds: list[int]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 

@@ -66,6 +66,7 @@ class RolloutConfig:
     worker_groups: int = 1  # server inference: groups of envs that alternate (see _groups)
     ahead: bool = False  # server inference: ask for the next step's actions as soon as its obs are final
     cpus: tuple[int, ...] | None = None  # worker_cpus: the CPUs this worker runs on (None: the kernel's choice)
+    credit_spin: float = 0.0  # seconds a worker looks for its next credit before it sleeps (pool.credit_spin)
     one_hot_actions: bool = False  # categorical_action_encoding=False: a Discrete action stored one-hot
     decorrelation_steps: int = 0  # max_decorrelation_steps: random steps of each env before the first batch
     env_fn_index: tuple[int, ...] | None = None  # per env of the worker: its factory's index in create_env_fn
