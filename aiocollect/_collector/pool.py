@@ -289,6 +289,7 @@ class WorkerPool:
         # ids registered in this process, for the workers: packed once, sent to each as bytes
         ids = env_ids(c)
         registry = snapshot(ids[0] if ids else None) if c.num_workers else ()
+        spin = credit_spin(c)  # (the same for every worker)
         return [
             RolloutConfig(
                 **worker_factories(c, i),
@@ -307,7 +308,7 @@ class WorkerPool:
                 action_bounds=c.action_bounds,
                 worker_groups=c.worker_groups,
                 cpus=worker_cpus(c, i),
-                credit_spin=credit_spin(c),
+                credit_spin=spin,
                 one_hot_actions=not c.categorical_action_encoding,
                 decorrelation_steps=c.max_decorrelation_steps,
             )
